@@ -1,0 +1,229 @@
+"""Load a model: resolve the source, read its config, check and convert its tensors, load its tokenizer.
+
+Sources: a Hugging Face checkpoint directory (`config.json` + safetensors), a `.gguf` file (or a
+directory holding one), or None for the bundled default. GGUF conversion (dequantisation) is slow,
+so its result is cached on disk with orbax-checkpoint, keyed by the file and the target dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from models.bundled import default_model_path
+from models.config import ModelConfig, model_config_from_hf
+from models.gguf_io import GGUFCheckpoint
+from models.registry import Architecture, get_architecture
+from models.safetensors_io import SafetensorsCheckpoint
+from models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+# Bump when the params layout or a conversion changes, so stale cache entries are not reused.
+_CONVERTER_VERSION = "1"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: static config, params pytree, forward and tokenizer."""
+
+    config: ModelConfig
+    params: Any
+    architecture: Architecture
+    tokenizer: PreTrainedTokenizerBase | None
+    dtype: np.dtype
+    source: str
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    load_seconds: float = 0.0
+    from_cache: bool = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.architecture.forward(*args, **kwargs)
+
+
+def resolve_source(model: str | os.PathLike | None) -> tuple[str, Path]:
+    """("hf", directory) or ("gguf", file) for what the user passed."""
+    if model is None:
+        return "gguf", default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "gguf", path.resolve()
+        raise ValueError(f"model {str(model)!r} is a file but not a .gguf file; pass a checkpoint directory or a .gguf")
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return "hf", path.resolve()
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0].resolve()
+        raise ValueError(
+            f"model directory {str(model)!r} has no config.json"
+            + (f" and several .gguf files {[g.name for g in ggufs]}; pass one of them" if ggufs else
+               " (a Hugging Face checkpoint directory needs config.json and safetensors weights)")
+        )
+    raise ValueError(
+        f"model {str(model)!r} is not a local directory or .gguf file; paxserve has no model hub access, "
+        "so download the checkpoint first and pass its path"
+    )
+
+
+def resolve_dtype(dtype: str, hf_config: dict[str, Any], kind: str) -> np.dtype:
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; choose one of: auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if kind == "gguf":
+        return DTYPES["float32"]  # quantized weights are dequantized; float32 keeps them exact
+    declared = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return DTYPES.get(str(declared).removeprefix("torch."), DTYPES["float32"])
+
+
+def check_tensors(
+    arch: Architecture, cfg: ModelConfig, names: set[str], shape_of: Callable[[str], tuple[int, ...]], source: str
+) -> None:
+    """Strict: every expected tensor present with its exact shape, nothing unexpected."""
+    expected = arch.hf_tensor_shapes(cfg)
+    ignorable = {n for n in names if n.endswith(arch.hf_ignored_suffixes)}
+    if cfg.tie_word_embeddings:
+        ignorable.add("lm_head.weight")  # some tied checkpoints still store the copy
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected) - ignorable)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(
+            f"unexpected tensors ({len(unexpected)}): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    for name in sorted(set(expected) & names):
+        if tuple(shape_of(name)) != expected[name]:
+            problems.append(f"tensor {name!r} has shape {tuple(shape_of(name))}, expected {expected[name]}")
+    if problems:
+        raise ValueError(f"checkpoint {source} does not match {cfg.architecture}: " + "; ".join(problems))
+
+
+def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "paxserve"
+
+
+def _cache_key(path: Path, dtype: np.dtype) -> str:
+    st = path.stat()
+    ident = f"{path}|{st.st_size}|{st.st_mtime_ns}|{dtype.name}|{_CONVERTER_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def _restore_cached(directory: Path, abstract: Any) -> Any | None:
+    import orbax.checkpoint as ocp
+
+    if not directory.exists():
+        return None
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(directory, abstract)
+    except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
+        logger.warning("param cache at %s is unreadable (%s); converting again", directory, e)
+        return None
+
+
+def _save_cached(directory: Path, params: Any) -> None:
+    import orbax.checkpoint as ocp
+
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(directory, params, force=True)
+            ckptr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - caching is an optimisation; loading already succeeded
+        logger.warning("could not write param cache to %s: %s", directory, e)
+
+
+def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str) -> Any:
+    total = len(arch.hf_tensor_shapes(cfg))
+    with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None) as bar:
+
+        def read(name: str) -> np.ndarray:
+            bar.update(1)
+            return ckpt.read(name)
+
+        return arch.params_from_hf(read, cfg, dtype)
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    dtype: str = "auto",
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    use_param_cache: bool = True,
+) -> LoadedModel:
+    """Load config, weights and tokenizer. Errors name the problem (missing config, unsupported
+    architecture, truncated or mismatched tensors)."""
+    start = time.perf_counter()
+    kind, path = resolve_source(model)
+    logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
+    if kind == "hf":
+        try:
+            hf_config = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+        ckpt: Any = None
+        gen_path = path / "generation_config.json"
+        generation_config = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    else:
+        ckpt = GGUFCheckpoint(path)
+        hf_config = ckpt.hf_config()
+        generation_config = {}
+    cfg = model_config_from_hf(hf_config)
+    arch = get_architecture(cfg.architecture)
+    if isinstance(generation_config.get("eos_token_id"), (int, list)):
+        eos = generation_config["eos_token_id"]
+        cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+    np_dtype = resolve_dtype(dtype, hf_config, kind)
+
+    params, from_cache = None, False
+    cache_path = _cache_dir(cache_dir) / "params" / _cache_key(path, np_dtype) if kind == "gguf" else None
+    if cache_path is not None and use_param_cache:
+        params = _restore_cached(cache_path, arch.abstract_params(cfg, np_dtype))
+        from_cache = params is not None
+    if params is None:
+        if ckpt is None:
+            ckpt = SafetensorsCheckpoint(path)
+        check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
+        params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}")
+        if cache_path is not None and use_param_cache:
+            _save_cached(cache_path, params)
+    params = jax.block_until_ready(params)
+
+    if kind == "gguf":
+        tokenizer = tokenizer_from_gguf(ckpt if ckpt is not None else GGUFCheckpoint(path))
+    else:
+        tokenizer = tokenizer_from_directory(path)
+    seconds = time.perf_counter() - start
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    logger.info(
+        "loaded %s: %s, %.1fM params in %s, %.1fs%s", path.name, cfg.architecture, n_params / 1e6, np_dtype.name,
+        seconds, " (from param cache)" if from_cache else "",
+    )
+    return LoadedModel(
+        config=cfg, params=params, architecture=arch, tokenizer=tokenizer, dtype=np_dtype, source=str(path),
+        generation_config=generation_config, load_seconds=seconds, from_cache=from_cache,
+    )

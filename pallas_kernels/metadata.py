@@ -1,0 +1,41 @@
+"""Attention metadata: how a flattened ragged batch of new tokens maps onto the paged KV cache.
+
+The batch holds `T` new tokens (padded) from `S` sequences (padded). Sequence `s` owns the tokens
+`query_start_loc[s] : query_start_loc[s + 1]`: a prompt chunk or one decode token. After this
+step's writes it has `context_lens[s]` tokens in the cache, so its new tokens sit at positions
+`context_lens[s] - query_len .. context_lens[s] - 1`. Padding sequences have query length 0 and
+context length 0; padding tokens write to the reserved null block 0, which nothing reads.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Int
+
+NULL_BLOCK = 0
+
+
+@struct.dataclass
+class AttentionMetadata:
+    """Explicit pytree of int32 arrays passed to every jitted step (never a global)."""
+
+    slot_mapping: Int[Array, " T"]  # flat cache slot (block_id * block_size + offset) of each new token
+    block_tables: Int[Array, "S B"]  # block ids of each sequence, padded with the null block
+    context_lens: Int[Array, " S"]  # tokens in the cache per sequence, including this step's
+    query_start_loc: Int[Array, " S1"]  # S + 1 cumulative offsets of each sequence's new tokens
+    logits_indices: Int[Array, " S"]  # flat token index whose logits each sequence wants
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    def token_seq_ids(self, num_tokens: int) -> Int[Array, " T"]:
+        """Which sequence each flat token belongs to (padding tokens map to the last sequence and are
+        recognised by `token_is_valid`)."""
+        t = jnp.arange(num_tokens, dtype=jnp.int32)
+        ids = jnp.searchsorted(self.query_start_loc[1:], t, side="right").astype(jnp.int32)
+        return jnp.minimum(ids, self.num_seqs - 1)
+
+    def token_is_valid(self, num_tokens: int) -> Array:
+        return jnp.arange(num_tokens, dtype=jnp.int32) < self.query_start_loc[-1]

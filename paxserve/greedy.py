@@ -1,0 +1,74 @@
+"""Batched greedy generation over the paged cache with a plain block list.
+
+This is the pre-scheduler path used by `paxserve generate` and by the parity tests; the Engine's
+scheduler replaces its block bookkeeping with the block pool.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Iterator
+
+import numpy as np
+
+from paxserve.batch import SeqChunk, build_batch, next_power_of_2
+from paxserve.model_runner import ModelRunner
+
+
+def greedy_stream(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: tuple[int, ...] = (),
+    shuffle_seed: int | None = None,
+) -> Iterator[tuple[list[int | None], np.ndarray]]:
+    """Yield, per step, each prompt's new token (None once finished) and the step's logits.
+
+    Blocks come from a free list, shuffled when `shuffle_seed` is set, so sequences land on
+    scattered, non-contiguous pages the way they do under a real scheduler.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    bs = runner.block_size
+    need = sum(math.ceil((len(p) + max_new_tokens) / bs) for p in prompts)
+    free = list(range(1, runner.num_blocks))
+    if need > len(free):
+        raise ValueError(f"prompts need {need} KV blocks but the cache has {len(free)}")
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(free)
+    tables = [[free.pop() for _ in range(math.ceil((len(p) + max_new_tokens) / bs))] for p in prompts]
+    chunks = [SeqChunk(list(p), 0, t) for p, t in zip(prompts, tables)]
+    done = [False] * len(prompts)
+    for _ in range(max_new_tokens):
+        live = [i for i in range(len(prompts)) if not done[i]]
+        batch = build_batch(
+            [chunks[i] for i in live], bs,
+            pad_tokens_to=next_power_of_2(sum(len(chunks[i].token_ids) for i in live), 8),
+            pad_seqs_to=next_power_of_2(len(live)),
+            pad_blocks_to=next_power_of_2(max(len(t) for t in tables)),
+        )
+        logits = runner.execute(batch)
+        out: list[int | None] = [None] * len(prompts)
+        for row, i in enumerate(live):
+            token = int(np.argmax(logits[row]))
+            out[i] = token
+            c = chunks[i]
+            chunks[i] = SeqChunk([token], c.context_len, c.block_table)
+            done[i] = token in stop_token_ids
+        yield out, logits
+        if all(done):
+            return
+
+
+def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[list[int]]:
+    """Greedy continuations (stopping early at `stop_token_ids`)."""
+    results: list[list[int]] = [[] for _ in prompts]
+    for tokens, _ in greedy_stream(runner, prompts, max_new_tokens, **kwargs):
+        for i, t in enumerate(tokens):
+            if t is not None:
+                results[i].append(t)
+    return results
