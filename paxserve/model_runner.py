@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from functools import partial
+from functools import cache
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,13 @@ from paxserve.batch import Batch
 from pallas_kernels import AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)
+
+
+@cache
+def _jitted(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """One jitted step per architecture, shared by all runners: XLA's cache is keyed by the static
+    config and the shapes, so a second runner for the same model reuses the compiled programs."""
+    return jax.jit(forward, static_argnames=("cfg",), donate_argnums=(1,))
 
 
 class ModelRunner:
@@ -28,7 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                       jnp.dtype(model.dtype))
-        self._step = jax.jit(partial(model.architecture.forward, cfg=cfg), donate_argnums=(1,))
+        self._step = _jitted(model.architecture.forward)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
                     2 * self.kv_cache.k.nbytes / 2**20)
 
@@ -46,6 +54,7 @@ class ModelRunner:
             logits_indices=jnp.asarray(batch.logits_indices),
         )
         logits, self.kv_cache = self._step(
-            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), metadata
+            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), metadata,
+            cfg=self.model.config,
         )
         return np.asarray(logits[: batch.num_seqs])

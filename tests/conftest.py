@@ -1,0 +1,36 @@
+"""Shared fixtures. Parity figures recorded by tests are printed at the end of the run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Parity and timing figures: (test name, description) -> value, shown in the terminal summary.
+REPORT: list[tuple[str, str]] = []
+
+
+@pytest.fixture
+def report(request: pytest.FixtureRequest):
+    """Record a figure (e.g. max logit error) so the run's summary lists it."""
+
+    def record(what: str) -> None:
+        REPORT.append((request.node.name, what))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+    if REPORT:
+        terminalreporter.section("paxserve figures")
+        for name, what in REPORT:
+            terminalreporter.write_line(f"{name}: {what}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests must not leave multi-GB caches in the home directory of whoever runs them.
+    os.environ.setdefault("XDG_CACHE_HOME", str(Path(config.rootpath) / ".pytest_cache" / "xdg"))

@@ -1,0 +1,54 @@
+"""Shared test helpers: tiny random Hugging Face checkpoints and error measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Small enough to compile in about a second, big enough to exercise GQA, multi-block contexts and RoPE.
+TINY_BASE: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_tiny_llama(directory: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any):
+    """Write a random `LlamaForCausalLM` with `save_pretrained` and return the torch model (float32, eval).
+
+    Every parameter, biases and norm weights included, is drawn at random: HF initialises biases to
+    zero and norms to one, which would hide a missing bias or a misplaced norm.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**TINY_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(directory), **kwargs)
+    return model
+
+
+def rel_error(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(max abs error, max abs error / max |ref|): a scale-aware relative error for logits."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    abs_err = float(np.max(np.abs(ours - ref)))
+    return abs_err, abs_err / float(np.max(np.abs(ref)))
