@@ -132,29 +132,41 @@ def _cache_key(path: Path, dtype: np.dtype) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
-def _restore_cached(directory: Path, abstract: Any) -> Any | None:
-    import orbax.checkpoint as ocp
+_COMPLETE = "complete"  # written last, so a half-written entry is never read
 
-    if not directory.exists():
+
+def _restore_cached(entry: Path, abstract_of: Callable[[dict[str, Any]], Any]) -> tuple[Any, dict, Any] | None:
+    """(params, hf_config, tokenizer) from a cache entry, or None when there is no usable entry."""
+    import orbax.checkpoint as ocp
+    from transformers import AutoTokenizer
+
+    if not (entry / _COMPLETE).exists():
         return None
     try:
+        hf_config = json.loads((entry / "config.json").read_text())
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(directory, abstract)
+            params = ckptr.restore(entry / "params", abstract_of(hf_config))
+        tokenizer = AutoTokenizer.from_pretrained(str(entry / "tokenizer"), local_files_only=True)
+        return params, hf_config, tokenizer
     except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
-        logger.warning("param cache at %s is unreadable (%s); converting again", directory, e)
+        logger.warning("param cache at %s is unreadable (%s); converting again", entry, e)
         return None
 
 
-def _save_cached(directory: Path, params: Any) -> None:
+def _save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer: Any) -> None:
     import orbax.checkpoint as ocp
 
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        entry.mkdir(parents=True, exist_ok=True)
+        (entry / _COMPLETE).unlink(missing_ok=True)
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(directory, params, force=True)
+            ckptr.save(entry / "params", params, force=True)
             ckptr.wait_until_finished()
+        (entry / "config.json").write_text(json.dumps(hf_config))
+        tokenizer.save_pretrained(str(entry / "tokenizer"))
+        (entry / _COMPLETE).write_text("ok")
     except Exception as e:  # noqa: BLE001 - caching is an optimisation; loading already succeeded
-        logger.warning("could not write param cache to %s: %s", directory, e)
+        logger.warning("could not write param cache to %s: %s", entry, e)
 
 
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str) -> Any:
@@ -166,6 +178,36 @@ def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, d
             return ckpt.read(name)
 
         return arch.params_from_hf(read, cfg, dtype)
+
+
+def _model_spec(hf_config: dict[str, Any], dtype: str, kind: str) -> tuple[ModelConfig, Architecture, np.dtype]:
+    cfg = model_config_from_hf(hf_config)
+    return cfg, get_architecture(cfg.architecture), resolve_dtype(dtype, hf_config, kind)
+
+
+def _load_gguf(
+    path: Path, dtype: str, cache_dir: str | os.PathLike | None, use_cache: bool
+) -> tuple[Any, dict[str, Any], Any, bool]:
+    """Dequantising a GGUF is slow, so its converted params, config and tokenizer are cached on disk."""
+    def abstract_of(hf_config: dict[str, Any]) -> Any:
+        cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
+        return arch.abstract_params(cfg, np_dtype)
+
+    # The key needs the resolved dtype, which for GGUF does not depend on the file's contents.
+    entry = _cache_dir(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
+    if use_cache:
+        cached = _restore_cached(entry, abstract_of)
+        if cached is not None:
+            return (*cached, True)
+    ckpt = GGUFCheckpoint(path)
+    hf_config = ckpt.hf_config()
+    cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
+    check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
+    params = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}")
+    tokenizer = tokenizer_from_gguf(ckpt)
+    if use_cache:
+        _save_cached(entry, params, hf_config, tokenizer)
+    return params, hf_config, tokenizer, False
 
 
 def load_model(
@@ -180,43 +222,27 @@ def load_model(
     start = time.perf_counter()
     kind, path = resolve_source(model)
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
-    if kind == "hf":
+    if kind == "gguf":
+        params, hf_config, tokenizer, from_cache = _load_gguf(path, dtype, cache_dir, use_param_cache)
+        generation_config: dict[str, Any] = {}
+        cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+    else:
         try:
             hf_config = json.loads((path / "config.json").read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-        ckpt: Any = None
         gen_path = path / "generation_config.json"
         generation_config = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    else:
-        ckpt = GGUFCheckpoint(path)
-        hf_config = ckpt.hf_config()
-        generation_config = {}
-    cfg = model_config_from_hf(hf_config)
-    arch = get_architecture(cfg.architecture)
-    if isinstance(generation_config.get("eos_token_id"), (int, list)):
-        eos = generation_config["eos_token_id"]
-        cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
-    np_dtype = resolve_dtype(dtype, hf_config, kind)
-
-    params, from_cache = None, False
-    cache_path = _cache_dir(cache_dir) / "params" / _cache_key(path, np_dtype) if kind == "gguf" else None
-    if cache_path is not None and use_param_cache:
-        params = _restore_cached(cache_path, arch.abstract_params(cfg, np_dtype))
-        from_cache = params is not None
-    if params is None:
-        if ckpt is None:
-            ckpt = SafetensorsCheckpoint(path)
+        cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+        ckpt = SafetensorsCheckpoint(path)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
         params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}")
-        if cache_path is not None and use_param_cache:
-            _save_cached(cache_path, params)
-    params = jax.block_until_ready(params)
-
-    if kind == "gguf":
-        tokenizer = tokenizer_from_gguf(ckpt if ckpt is not None else GGUFCheckpoint(path))
-    else:
         tokenizer = tokenizer_from_directory(path)
+        from_cache = False
+    eos = generation_config.get("eos_token_id")
+    if isinstance(eos, (int, list)):
+        cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+    params = jax.block_until_ready(params)
     seconds = time.perf_counter() - start
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     logger.info(

@@ -1,0 +1,138 @@
+"""The bundled SmolLM2-135M-Instruct GGUF against Hugging Face transformers loading the same file."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from models import LoadedModel, load_model
+from models.bundled import default_model_path
+from paxserve.batch import SeqChunk, build_batch
+from paxserve.greedy import greedy_generate
+from paxserve.model_runner import ModelRunner
+from tests.helpers import rel_error
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three primes."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a joke about cats."}],
+]
+PLAIN_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    "]
+TEXTS = [
+    "Hello world",
+    " leading space and  double  spaces\tand tabs\n\nnew lines",
+    "Unicode: naïve café, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 🤖🎉👍🏽",
+    "Numbers 1234567890 3.14159 -42 1e-9, code: `x = {'a': [1, 2]}` && echo $HOME",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>\n<|endoftext|>",
+    "",
+    "      ",
+    "a" * 300,
+]
+
+
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Load the default model twice: converting the GGUF, then from the on-disk param cache."""
+    cache = tmp_path_factory.mktemp("paxserve-cache")
+    first = load_model(None, cache_dir=cache)
+    second = load_model(None, cache_dir=cache)
+    return {"first": first, "cached": second}
+
+
+@pytest.fixture(scope="module")
+def ours(loads: dict[str, Any]) -> LoadedModel:
+    return loads["cached"]
+
+
+@pytest.fixture(scope="module")
+def hf() -> tuple[Any, Any]:
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+def test_default_model_resolves_to_bundled_smollm2(loads: dict[str, Any], report) -> None:
+    first, cached = loads["first"], loads["cached"]
+    assert Path(first.source) == default_model_path()
+    assert first.config.architecture == "LlamaForCausalLM"
+    assert (first.config.num_layers, first.config.hidden_size, first.config.num_kv_heads) == (30, 576, 3)
+    assert not first.from_cache and cached.from_cache
+    for a, b in zip(jax.tree_util.tree_leaves(first.params), jax.tree_util.tree_leaves(cached.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    report(f"default model load: first {first.load_seconds:.1f}s, from param cache {cached.load_seconds:.1f}s")
+
+
+def test_tokenizer_encodes_and_decodes_like_hf(ours: LoadedModel, hf: tuple[Any, Any]) -> None:
+    _, hf_tok = hf
+    tok = ours.tokenizer
+    rng = np.random.default_rng(0)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text), text
+        assert tok.decode(ids) == hf_tok.decode(ids)
+        assert tok.decode(ids, skip_special_tokens=True) == hf_tok.decode(ids, skip_special_tokens=True)
+    random_ids = rng.integers(0, ours.config.vocab_size, 200).tolist()  # arbitrary ids, partial UTF-8 included
+    assert tok.decode(random_ids) == hf_tok.decode(random_ids)
+    assert (tok.bos_token, tok.eos_token) == (hf_tok.bos_token, hf_tok.eos_token)
+    assert tok.decode(tok.encode(TEXTS[2])) == TEXTS[2]
+
+
+def test_chat_template_renders_like_hf(ours: LoadedModel, hf: tuple[Any, Any]) -> None:
+    _, hf_tok = hf
+    for chat in CHATS:
+        for gen_prompt in (True, False):
+            ours_text = ours.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen_prompt)
+            assert ours_text == hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen_prompt)
+            assert ours_text.endswith("<|im_start|>assistant\n") == gen_prompt
+
+
+def _prompt_ids(tokenizer: Any) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CHATS]
+    return [tokenizer.encode(t) for t in texts + PLAIN_PROMPTS]
+
+
+def test_prefill_logits_match_hf(ours: LoadedModel, hf: tuple[Any, Any], report) -> None:
+    hf_model, _ = hf
+    prompts = _prompt_ids(ours.tokenizer)
+    runner = ModelRunner(ours, num_blocks=64, block_size=16)
+    tables, next_block = [], 63
+    for p in prompts:  # pages handed out from the top down: non-contiguous in logical order
+        n = -(-len(p) // 16)
+        tables.append(list(range(next_block, next_block - n, -1)))
+        next_block -= n
+    ours_logits = runner.execute(build_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16,
+                                             pad_tokens_to=256, pad_seqs_to=8, pad_blocks_to=8))
+    worst = (0.0, 0.0)
+    for row, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([p])).logits[0, -1].numpy()
+        worst = max(worst, rel_error(ours_logits[row], ref), key=lambda x: x[1])
+    report(f"SmolLM2 prefill: max abs err {worst[0]:.2e}, max rel err {worst[1]:.2e}")
+    assert worst[1] < 1e-4
+
+
+def test_greedy_continuations_identical_to_hf(ours: LoadedModel, hf: tuple[Any, Any], report) -> None:
+    hf_model, _ = hf
+    prompts = _prompt_ids(ours.tokenizer)
+    eos = ours.config.eos_token_ids
+    runner = ModelRunner(ours, num_blocks=96, block_size=16)
+    start = time.perf_counter()
+    got = greedy_generate(runner, prompts, 32, stop_token_ids=eos, shuffle_seed=3)
+    seconds = time.perf_counter() - start
+    hf_model.generation_config = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=list(eos),
+                                                  pad_token_id=eos[0])
+    for p, ours_ids in zip(prompts, got):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([p]))[0, len(p):].tolist()
+        assert ours_ids == ref, ours.tokenizer.decode(ours_ids) + " != " + ours.tokenizer.decode(ref)
+    assert "Paris" in ours.tokenizer.decode(got[0])
+    report(f"SmolLM2 greedy: {len(prompts)} prompts x up to 32 tokens identical to HF ({seconds:.1f}s incl. compile)")
