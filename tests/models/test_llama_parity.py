@@ -42,7 +42,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def hf_logits(hf: Any, ids: list[int]) -> np.ndarray:
     """All-position logits of one sequence from the HF model."""
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
+        return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def prompts_for(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
@@ -139,3 +139,22 @@ def test_mixed_batch_gives_each_sequence_its_own_logits(tiny, report) -> None:
         worst = max(worst, rel_error(mixed[row], hf_logits(hf, prompt)[-1])[1])
     report(f"{name}: mixed prefill+decode batch max rel err vs HF {worst:.2e}")
     assert worst < LOGIT_TOL
+
+
+def test_bfloat16_is_as_accurate_as_hf_bfloat16(tmp_path, report) -> None:
+    """bfloat16 weights and activations (float32 accumulation): error against the float32 model is
+    no worse than Hugging Face's own bfloat16 run."""
+    from transformers import LlamaForCausalLM
+
+    hf32 = make_tiny_llama(tmp_path, seed=5, **CONFIGS["gqa4-d64-tied-llama3-bias"])
+    hf16 = LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    model = load_model(tmp_path, "bfloat16")
+    assert model.dtype.name == "bfloat16"
+    prompts = prompts_for(2, [9, 30])
+    runner = ModelRunner(model, num_blocks=16, block_size=16)
+    ours = runner.execute(build_batch([SeqChunk(prompts[0], 0, [4]), SeqChunk(prompts[1], 0, [7, 2])], 16,
+                                      pad_tokens_to=64, pad_seqs_to=2, pad_blocks_to=2))
+    ours_err = max(rel_error(ours[i], hf_logits(hf32, p)[-1])[1] for i, p in enumerate(prompts))
+    hf_err = max(rel_error(hf_logits(hf16, p)[-1], hf_logits(hf32, p)[-1])[1] for p in prompts)
+    report(f"bfloat16 prefill rel err vs float32: ours {ours_err:.2e}, HF bfloat16 {hf_err:.2e}")
+    assert ours_err <= 1.5 * hf_err
