@@ -13,6 +13,11 @@ from typing import Any, Mapping
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def _check_rope_type(rope_type: str) -> None:
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """RoPE frequency scaling as Hugging Face names it (`rope_type` and its parameters)."""
@@ -32,10 +37,7 @@ class RopeScaling:
     truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"rope_scaling.rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-            )
+        _check_rope_type(self.rope_type)
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
         if self.rope_type == "llama3" and self.original_max_position_embeddings is None:
@@ -104,6 +106,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     merged.pop("type", None)
     if rope_type == "default":
         return float(theta), RopeScaling()
+    _check_rope_type(rope_type)  # before the key check, so the message names the supported types
     known = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
     unknown = sorted(set(merged) - known - {"partial_rotary_factor"})
     if unknown:
@@ -111,8 +114,10 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     if merged.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     merged.pop("partial_rotary_factor", None)
+    if rope_type in ("yarn", "llama3") and merged.get("original_max_position_embeddings") is None:
+        # Hugging Face falls back to the model's own context length when the field is absent.
+        merged["original_max_position_embeddings"] = hf.get("max_position_embeddings")
     if rope_type == "yarn":
-        merged.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
         if merged.get("factor") is None:
             merged["factor"] = hf["max_position_embeddings"] / merged["original_max_position_embeddings"]
     for key in ("beta_fast", "beta_slow"):
