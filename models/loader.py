@@ -54,9 +54,6 @@ class LoadedModel:
     load_seconds: float = 0.0
     from_cache: bool = False
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.architecture.forward(*args, **kwargs)
-
 
 def resolve_source(model: str | os.PathLike | None) -> tuple[str, Path]:
     """("hf", directory) or ("gguf", file) for what the user passed."""

@@ -53,11 +53,11 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> PreTrainedTokenizerBase:
     # byte alphabet would not be a real vocabulary entry, so it is left out.
     tok.add_special_tokens([
         AddedToken(t, special=True, normalized=False)
-        for t, kind_ in zip(tokens, token_types) if kind_ == _CONTROL and set(t) <= spelled
+        for t, token_type in zip(tokens, token_types) if token_type == _CONTROL and set(t) <= spelled
     ])
     tok.add_tokens([
         AddedToken(t, special=False, normalized=False)
-        for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED and t in vocab
+        for t, token_type in zip(tokens, token_types) if token_type == _USER_DEFINED and t in vocab
     ])
 
     def special(key: str) -> str | None:
