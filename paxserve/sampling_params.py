@@ -1,0 +1,100 @@
+"""Per-request sampling settings, with vLLM's names, defaults and ranges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Penalties outside these ranges are rejected, as vLLM and OpenAI do.
+PENALTY_RANGE = (-2.0, 2.0)
+MAX_LOGPROBS = 20
+
+
+def _fail(name: str, value: object, allowed: str) -> None:
+    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request and when to stop.
+
+    `temperature=0` is greedy. `top_k` of 0 or -1 disables top-k. `seed` makes sampling
+    reproducible and independent of whatever else is in the batch. `logprobs=k` returns the sampled
+    token's log-probability and the k most likely tokens, computed from the raw model logits.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            _fail("n", self.n, "must be an integer >= 1")
+        if self.temperature < 0:
+            _fail("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            _fail("top_k", self.top_k, "must be -1 or 0 (disabled) or an integer >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                _fail(name, value, f"must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            _fail("max_tokens", self.max_tokens, "must be an integer >= 1 (or None for the room left in the context)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _fail("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            _fail("seed", self.seed, "must be an integer in [0, 2**63)")
+        if self.n > 1 and self.temperature == 0:
+            _fail("n", self.n, "n > 1 needs temperature > 0 (greedy samples would all be identical)")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or token < 0:
+                    _fail("logit_bias", self.logit_bias, "keys must be token ids >= 0")
+                if not -100.0 <= float(bias) <= 100.0:
+                    _fail("logit_bias", self.logit_bias, "values must be in [-100, 100]")
+        if self.stop_token_ids and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", self.stop_token_ids, "must be token ids >= 0")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            _fail("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
+        self.stop_strings = tuple(stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids must exist in the model's vocabulary (checked when the model is known)."""
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids or [])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                _fail(name, bad, f"token ids must be < the vocabulary size {vocab_size}")
