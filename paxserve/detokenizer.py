@@ -1,0 +1,158 @@
+"""Incremental detokenization for streaming, with stop-string detection.
+
+Each step decodes only a short window of recent token ids twice: the tokens whose text was already
+emitted (the "prefix") and the same tokens plus the new ones. The new text is what the longer decode
+adds. Decoding the window rather than single tokens keeps what single-token decodes get wrong:
+multi-byte UTF-8 characters split across tokens and decoders that treat the first token specially.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paxserve.sampling_params import SamplingParams
+
+# Prompt tokens kept as left context for the first output token, so it renders as it would after the
+# prompt (e.g. a leading space that some decoders drop from the first token of a sequence).
+NUM_PROMPT_CONTEXT_TOKENS = 5
+
+# What a decoder yields for bytes that are not (yet) a complete UTF-8 character.
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated token ids into text, step by step.
+
+    `update()` feeds new ids and reports a matched stop string. `output_text` is the text so far;
+    `get_delta()` returns the part not returned before and never returns text that later changes.
+    A `tokenizer` of None (a checkpoint served from token ids only) yields no text and allows no
+    stop strings.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if tokenizer is None and params.stop_strings:
+            raise ValueError("stop strings need a tokenizer, but this model was loaded without one")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = params.skip_special_tokens
+        self._stops = params.stop_strings
+        self._include_stop = params.include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # Only the prompt's tail is kept: token ids are the context window, then every output id.
+        self._token_ids = self._prompt_context(list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]))
+        # _token_ids[_prefix_offset:_read_offset] is already rendered; ids past _read_offset are not.
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self._text = ""
+        self._num_emitted = 0
+        self._finished = False
+        self._stop_reason: str | None = None
+
+    def _prompt_context(self, tail: list[int]) -> list[int]:
+        # A prompt cut in the middle of a UTF-8 character would swallow the output's first bytes into
+        # the prompt's text; without context the output decodes exactly as it would on its own.
+        if self._tokenizer is None or not tail or self._decode(tail).endswith(_REPLACEMENT):
+            return []
+        return tail
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    @property
+    def output_text(self) -> str:
+        return self._text
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the request, or None."""
+        return self._stop_reason
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Feeds newly generated ids; returns the stop string they completed, else None."""
+        if self._finished:
+            raise RuntimeError("update() after the request finished (a stop string matched or finish() was called)")
+        if self._tokenizer is None or not new_token_ids:
+            return None
+        self._token_ids.extend(new_token_ids)
+        new_text = self._pending_text()
+        if new_text.endswith(_REPLACEMENT):
+            # The last character may still be incomplete: keep its tokens pending, but a stop string
+            # already complete before it must stop the request now.
+            return self._check_stop(new_text.rstrip(_REPLACEMENT), commit=False)
+        if not new_text:
+            # Nothing rendered (e.g. a skipped special token): keep the window so its left context stays.
+            return None
+        self._advance()
+        return self._check_stop(new_text, commit=True)
+
+    def finish(self) -> None:
+        """The request ended for another reason (length, eos, abort): render and release everything."""
+        if self._finished:
+            return
+        if self._tokenizer is not None and self._read_offset < len(self._token_ids):
+            # Whatever is still incomplete is final now; render it as a full decode would.
+            new_text = self._pending_text()
+            self._advance()
+            self._check_stop(new_text, commit=True)
+        self._finished = True
+
+    def get_delta(self) -> str:
+        """Text not returned by earlier calls that can no longer change."""
+        end = len(self._text) if self._finished else len(self._text) - self._num_held_back()
+        delta = self._text[self._num_emitted:end]
+        self._num_emitted = max(self._num_emitted, end)
+        return delta
+
+    def _pending_text(self) -> str:
+        prefix = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._token_ids[self._prefix_offset:])
+        return full[len(prefix):]
+
+    def _advance(self) -> None:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+
+    def _check_stop(self, new_text: str, commit: bool) -> str | None:
+        """Appends `new_text` when `commit` (or when a stop string in it ends the request)."""
+        old_len = len(self._text)
+        text = self._text + new_text
+        match = self._find_stop(text, old_len)
+        if match is None:
+            if commit:
+                self._text = text
+            return None
+        stop, start = match
+        self._text = text[:start + len(stop)] if self._include_stop else text[:start]
+        self._finished = True
+        self._stop_reason = stop
+        return stop
+
+    def _find_stop(self, text: str, old_len: int) -> tuple[str, int] | None:
+        """The stop string that completes first in `text[old_len:]`, with its start index.
+
+        Earlier text was searched already, so a new match must end past `old_len`. "First" means the
+        earliest end (ties: the earliest start), which is where a character-by-character stream would
+        have stopped, so the result does not depend on how the text was split into tokens.
+        """
+        best: tuple[int, int, str] | None = None
+        for stop in self._stops:
+            start = text.find(stop, max(0, old_len - len(stop) + 1))
+            if start < 0:
+                continue
+            candidate = (start + len(stop), start, stop)
+            if best is None or candidate < best:
+                best = candidate
+        return None if best is None else (best[2], best[1])
+
+    def _num_held_back(self) -> int:
+        """Length of the longest tail of the text that could still be the start of a stop string."""
+        if not self._stops or self._include_stop:
+            return 0
+        for size in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
+            tail = self._text[-size:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return size
+        return 0
