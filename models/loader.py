@@ -177,6 +177,13 @@ def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, d
         return arch.params_from_hf(read, cfg, dtype)
 
 
+def _read_hf_config(directory: Path) -> dict[str, Any]:
+    try:
+        return json.loads((directory / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{directory / 'config.json'} is not valid JSON: {e}") from None
+
+
 def _model_spec(hf_config: dict[str, Any], dtype: str, kind: str) -> tuple[ModelConfig, Architecture, np.dtype]:
     cfg = model_config_from_hf(hf_config)
     return cfg, get_architecture(cfg.architecture), resolve_dtype(dtype, hf_config, kind)
@@ -207,6 +214,30 @@ def _load_gguf(
     return params, hf_config, tokenizer, False
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What memory planning needs, read without loading any weights."""
+
+    config: ModelConfig
+    dtype: np.dtype
+    weight_bytes: int
+
+
+def inspect_model(
+    model: str | os.PathLike | None = None, dtype: str = "auto", *, cache_dir: str | os.PathLike | None = None
+) -> ModelInfo:
+    kind, path = resolve_source(model)
+    if kind == "hf":
+        hf_config = _read_hf_config(path)
+    else:
+        cached = _cache_dir(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf")) / "config.json"
+        hf_config = json.loads(cached.read_text()) if cached.exists() else GGUFCheckpoint(path).hf_config()
+    cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+    abstract = arch.abstract_params(cfg, np_dtype)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
+    return ModelInfo(config=cfg, dtype=np_dtype, weight_bytes=int(weight_bytes))
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     dtype: str = "auto",
@@ -224,10 +255,7 @@ def load_model(
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     else:
-        try:
-            hf_config = json.loads((path / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+        hf_config = _read_hf_config(path)
         gen_path = path / "generation_config.json"
         generation_config = json.loads(gen_path.read_text()) if gen_path.exists() else {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)

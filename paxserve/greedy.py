@@ -51,7 +51,7 @@ def greedy_stream(
             pad_seqs_to=next_power_of_2(len(live)),
             pad_blocks_to=next_power_of_2(max(len(t) for t in tables)),
         )
-        logits = runner.execute(batch)
+        logits = runner.compute_logits(batch)
         out: list[int | None] = [None] * len(prompts)
         for row, i in enumerate(live):
             token = int(np.argmax(logits[row]))

@@ -1,4 +1,8 @@
-"""Runs one padded batch through the jitted model step, owning the device-side KV cache."""
+"""Runs one padded batch through the jitted model step, owning the device-side KV cache.
+
+Shapes are bucketed to powers of two (tokens x sequences x block-table width) so XLA compiles a
+bounded set of programs; each new bucket is logged when it compiles.
+"""
 
 from __future__ import annotations
 
@@ -11,50 +15,96 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loader import LoadedModel
-from paxserve.batch import Batch
+from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
+from paxserve.sampler import SamplingMetadata, sample
+from paxserve.sampling_metadata import SampledTokens, SamplingInputs, unpack
 from pallas_kernels import AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)
 
 
 @cache
-def _jitted(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """One jitted step per architecture, shared by all runners: XLA's cache is keyed by the static
-    config and the shapes, so a second runner for the same model reuses the compiled programs."""
+def _jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Forward only (logits back to the host): one jitted function per architecture, shared by all
+    runners, so XLA's cache (keyed by the static config and shapes) is reused across runners."""
     return jax.jit(forward, static_argnames=("cfg",), donate_argnums=(1,))
 
 
+@cache
+def _jitted_step(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Forward + on-device sampling: only the packed sampled ids (and logprobs) leave the device."""
+
+    def step(params, kv_cache, input_ids, positions, metadata, sampling, cfg):  # noqa: ANN001, ANN202
+        logits, kv_cache = forward(params, kv_cache, input_ids, positions, metadata, cfg)
+        return sample(logits, sampling), kv_cache
+
+    return jax.jit(step, static_argnames=("cfg",), donate_argnums=(1,))
+
+
+def _metadata(batch: Batch) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=jnp.asarray(batch.slot_mapping),
+        block_tables=jnp.asarray(batch.block_tables),
+        context_lens=jnp.asarray(batch.context_lens),
+        query_start_loc=jnp.asarray(batch.query_start_loc),
+        logits_indices=jnp.asarray(batch.logits_indices),
+    )
+
+
 class ModelRunner:
-    """Params + KV cache + one jitted step. The cache is donated to every step and replaced by the
+    """Params + KV cache + jitted steps. The cache is donated to every step and replaced by the
     step's output, so XLA updates it in place."""
 
-    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         cfg = model.config
         self.model = model
         self.block_size = block_size
+        self.max_blocks_per_seq = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
         self.kv_cache = KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                       jnp.dtype(model.dtype))
-        self._step = _jitted(model.architecture.forward)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
-                    2 * self.kv_cache.k.nbytes / 2**20)
+        self.buckets: set[tuple] = set()  # compiled step shapes, for the log and for tests
 
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    def execute(self, batch: Batch) -> np.ndarray:
-        """Float32 logits [num_seqs, vocab] for the real sequences of `batch`."""
-        metadata = AttentionMetadata(
-            slot_mapping=jnp.asarray(batch.slot_mapping),
-            block_tables=jnp.asarray(batch.block_tables),
-            context_lens=jnp.asarray(batch.context_lens),
-            query_start_loc=jnp.asarray(batch.query_start_loc),
-            logits_indices=jnp.asarray(batch.logits_indices),
+    def build(self, chunks: list[SeqChunk]) -> Batch:
+        """Pad a batch to its bucket: powers of two in tokens, sequences and block-table width."""
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        widest = max(len(c.block_table) for c in chunks)
+        return build_batch(
+            chunks, self.block_size,
+            pad_tokens_to=next_power_of_2(num_tokens),
+            pad_seqs_to=next_power_of_2(len(chunks)),
+            pad_blocks_to=min(next_power_of_2(widest), max(widest, self.max_blocks_per_seq)),
         )
-        logits, self.kv_cache = self._step(
-            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), metadata,
-            cfg=self.model.config,
+
+    def _note_bucket(self, key: tuple) -> None:
+        if key not in self.buckets:
+            self.buckets.add(key)
+            logger.info("compiling model step for bucket %s (%d compiled so far)", key, len(self.buckets))
+
+    def compute_logits(self, batch: Batch) -> np.ndarray:
+        """Float32 logits [num_seqs, vocab] for the real sequences of `batch` (tests, greedy tools)."""
+        self._note_bucket(("logits", batch.input_ids.shape[0], batch.context_lens.shape[0],
+                           batch.block_tables.shape[1]))
+        logits, self.kv_cache = _jitted_logits(self.model.architecture.forward)(
+            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+            _metadata(batch), cfg=self.model.config,
         )
         return np.asarray(logits[: batch.num_seqs])
+
+    def execute(self, batch: Batch, sampling: SamplingInputs) -> SampledTokens:
+        """One engine step: forward, sample on the device, one device-to-host copy."""
+        self._note_bucket((batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
+                           sampling.all_greedy, sampling.use_top_k_top_p, sampling.use_penalties,
+                           sampling.num_logprobs, sampling.output_token_ids.shape[1],
+                           sampling.prompt_token_ids.shape[1], sampling.logit_bias_ids.shape[1],
+                           sampling.suppress_ids.shape[1]))
+        packed, self.kv_cache = _jitted_step(self.model.architecture.forward)(
+            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+            _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=self.model.config,
+        )
+        return unpack(np.asarray(packed), batch.num_seqs, sampling.num_logprobs)

@@ -109,7 +109,7 @@ def test_prefill_logits_match_hf(ours: LoadedModel, hf: tuple[Any, Any], report)
         n = -(-len(p) // 16)
         tables.append(list(range(next_block, next_block - n, -1)))
         next_block -= n
-    ours_logits = runner.execute(build_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16,
+    ours_logits = runner.compute_logits(build_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16,
                                              pad_tokens_to=256, pad_seqs_to=8, pad_blocks_to=8))
     worst = (0.0, 0.0)
     for row, p in enumerate(prompts):

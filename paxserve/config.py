@@ -1,0 +1,64 @@
+"""Engine settings with vLLM's names and defaults; every invalid value fails at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+BLOCK_SIZES = (8, 16, 32)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# With no GPU, the KV cache lives in host memory; like vLLM's CPU backend, take a fixed budget.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+
+
+def _bad(name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"EngineConfig.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    max_model_len: int | Literal["auto"] | None = None  # None: from the model config; "auto": largest that fits
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # tokens per step; None: max(2048, max_num_seqs)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    compilation_cache_dir: str | None = None  # None: <cache dir>/xla; "" disables the persistent cache
+    warmup: bool = True  # compile the decode buckets at start-up instead of on first use
+    log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
+
+    def __post_init__(self) -> None:
+        if self.max_model_len not in (None, "auto") and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise _bad("max_model_len", self.max_model_len, "must be a positive integer, 'auto' or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise _bad("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be a positive number of bytes")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise _bad("num_gpu_blocks_override", self.num_gpu_blocks_override,
+                       "must be >= 2 (block 0 is reserved for padding)")
+        if self.block_size not in BLOCK_SIZES:
+            raise _bad("block_size", self.block_size, f"must be one of {', '.join(map(str, BLOCK_SIZES))}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise _bad("max_num_seqs", self.max_num_seqs, "must be an integer >= 1")
+        if self.max_num_batched_tokens is not None and (
+            not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1
+        ):
+            raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be an integer >= 1")
+        if self.dtype not in DTYPES:
+            raise _bad("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if self.tensor_parallel_size != 1:
+            raise _bad("tensor_parallel_size", self.tensor_parallel_size,
+                       "only 1 is supported until tensor parallelism lands")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise _bad("seed", self.seed, "must be an integer >= 0")
+        if self.log_stats_interval < 0:
+            raise _bad("log_stats_interval", self.log_stats_interval, "must be >= 0 seconds")

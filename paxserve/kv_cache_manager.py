@@ -1,0 +1,109 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups and counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paxserve.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
+from paxserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from cached blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds. Requests only ever grow, or free everything at once
+    (finish, abort or preemption)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def _hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+        """Chained hashes of the request's full blocks among its first `num_tokens` tokens; kept
+        across preemption so a resumed request need not rehash."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids_slice(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached blocks matching the request's tokens, and how many tokens that
+        covers. The last token is always left to compute: its logits are needed."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in self._hashes(request, request.num_tokens)[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_stats.queries += request.num_tokens
+        self.prefix_stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens (after any prefix hits); False when the pool
+        cannot, in which case nothing changed."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        # Hits on free blocks take them off the free list, so they count against what is free.
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        if self.enable_caching:
+            # Blocks that will be full once this step has run hold known tokens: register them now,
+            # so a request scheduled after this one (even in the same step) can share them.
+            num_full = min(total, request.num_tokens) // self.block_size
+            hashes = self._hashes(request, num_full * self.block_size)
+            for i in range(num_full):
+                self.pool.cache_block(blocks[i], hashes[i])
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first so those are evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+
+    def forget(self, request: Request) -> None:
+        """Drop the request's hash list once it is finished for good."""
+        self.req_hashes.pop(request.request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]

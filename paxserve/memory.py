@@ -1,0 +1,95 @@
+"""KV-cache memory planning: how many blocks fit, decided before the weights are loaded.
+
+Budget = gpu_memory_utilization x device memory - weights - activation peak on an accelerator, a
+fixed host budget on CPU, or the explicit `kv_cache_memory_bytes` / `num_gpu_blocks_override`.
+A max_model_len request that cannot fit fails here, with the numbers and what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+from paxserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+
+logger = logging.getLogger(__name__)
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class KVCachePlan:
+    num_blocks: int  # including the reserved null block 0
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.num_tokens / self.max_model_len
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, itemsize: int) -> int:
+    return cfg.kv_bytes_per_token * block_size * itemsize
+
+
+def plan_kv_cache(
+    cfg: ModelConfig,
+    config: EngineConfig,
+    itemsize: int,
+    weight_bytes: int,
+    device_bytes: int | None,
+    activation_bytes: int = 0,
+) -> KVCachePlan:
+    """`device_bytes` is the accelerator's memory, or None on CPU."""
+    bs = config.block_size
+    per_block = kv_bytes_per_block(cfg, bs, itemsize)
+    if config.num_gpu_blocks_override is not None:
+        num_blocks, source = config.num_gpu_blocks_override, "num_gpu_blocks_override"
+        budget = num_blocks * per_block
+    else:
+        if config.kv_cache_memory_bytes is not None:
+            budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif device_bytes is None:
+            budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "the CPU KV-cache budget (set kv_cache_memory_bytes to change)"
+        else:
+            budget = int(config.gpu_memory_utilization * device_bytes) - weight_bytes - activation_bytes
+            source = (f"gpu_memory_utilization {config.gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB "
+                      f"- weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB")
+        num_blocks = max(0, budget // per_block)
+    fits_len = max(0, (num_blocks - 1) * bs)
+    model_len = cfg.max_position_embeddings
+    if config.max_model_len == "auto":
+        max_model_len = min(model_len, fits_len)
+        if max_model_len < 1:
+            raise ValueError(f"no KV-cache memory left: {source} gives {budget / GiB:.2f} GiB, "
+                             f"less than one {bs}-token block ({per_block} bytes)")
+    else:
+        max_model_len = config.max_model_len or model_len
+        if max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_len}"
+            )
+    if fits_len < max_model_len:
+        raise ValueError(
+            f"one {max_model_len}-token request needs {-(-max_model_len // bs)} KV blocks "
+            f"({-(-max_model_len // bs) * per_block / GiB:.3f} GiB) but {source} leaves room for {max(0, num_blocks - 1)} "
+            f"({budget / GiB:.3f} GiB); the largest max_model_len that fits is {fits_len}. Lower --max-model-len "
+            f"(or use --max-model-len auto), or raise --gpu-memory-utilization / --kv-cache-memory-bytes / "
+            f"--num-gpu-blocks-override"
+        )
+    plan = KVCachePlan(num_blocks=num_blocks, block_size=bs, bytes_per_block=per_block, max_model_len=max_model_len)
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (from %s); maximum concurrency for %d-token "
+        "requests: %.2fx", num_blocks - 1, bs, plan.num_tokens, plan.num_bytes / GiB, source, max_model_len,
+        plan.max_concurrency,
+    )
+    return plan

@@ -1,0 +1,162 @@
+"""Continuous-batching scheduler: one token budget per step, running requests first.
+
+There are no prefill and decode phases. Every request has `num_computed_tokens`; a step gives each
+running request the tokens it still lacks (one for a decoding request, the rest of its prompt, or
+as much as the budget allows for a long prompt: chunked prefill), then admits waiting requests
+first-come first-served while budget, sequence slots and blocks last. When a running request
+cannot get a block, the newest running request is preempted: its blocks are freed (their hashes
+kept, so the prefix cache may give them back) and it goes to the front of the waiting queue, to be
+recomputed later. Nothing ever runs out of memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from paxserve.kv_cache_manager import KVCacheManager
+from paxserve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens fed this step, starting at request.num_computed_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        bs = self.kv.block_size
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"request needs {total} tokens (prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) "
+                f"but max_model_len is {self.config.max_model_len}"
+            )
+        if -(-total // bs) > self.kv.pool.num_blocks - 1:
+            raise ValueError(
+                f"request needs {-(-total // bs)} KV blocks but the whole cache has {self.kv.pool.num_blocks - 1}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it is running any more
+
+        # Admitting new work in a step that had to preempt would only thrash.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance computed counts and append each fully computed request's sampled token (partial
+        prompt chunks discard theirs). Returns requests finished by length or stop tokens."""
+        finished = []
+        for s, token in zip(out.scheduled, sampled, strict=True):
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            status = request.append_output(token)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (length, stop, abort): its blocks go back to the pool at once."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.kv.forget(request)
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
