@@ -116,7 +116,8 @@ def check_tensors(
         raise ValueError(f"checkpoint {source} does not match {cfg.architecture}: " + "; ".join(problems))
 
 
-def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """paxserve's on-disk cache: `cache_dir` if given, else $XDG_CACHE_HOME/paxserve (~/.cache/paxserve)."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -198,7 +199,7 @@ def _load_gguf(
         return arch.abstract_params(cfg, np_dtype)
 
     # The key needs the resolved dtype, which for GGUF does not depend on the file's contents.
-    entry = _cache_dir(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
+    entry = cache_root(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
     if use_cache:
         cached = _restore_cached(entry, abstract_of)
         if cached is not None:
@@ -230,7 +231,7 @@ def inspect_model(
     if kind == "hf":
         hf_config = _read_hf_config(path)
     else:
-        cached = _cache_dir(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf")) / "config.json"
+        cached = cache_root(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf")) / "config.json"
         hf_config = json.loads(cached.read_text()) if cached.exists() else GGUFCheckpoint(path).hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     abstract = arch.abstract_params(cfg, np_dtype)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.loader import inspect_model, load_model
+from models.loader import cache_root, inspect_model, load_model
 from paxserve.batch import SeqChunk, next_power_of_2
 from paxserve.config import EngineConfig
 from paxserve.detokenizer import IncrementalDetokenizer
@@ -77,9 +77,8 @@ class Engine:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = config = EngineConfig(model=model, **engine_args)
-        cache_root = Path.home() / ".cache" / "paxserve"
         if config.compilation_cache_dir != "":
-            _enable_compilation_cache(config.compilation_cache_dir or str(cache_root / "xla"))
+            _enable_compilation_cache(config.compilation_cache_dir or str(cache_root() / "xla"))
         info = inspect_model(model, config.dtype)
         self.plan = plan_kv_cache(info.config, config, info.dtype.itemsize, info.weight_bytes, _device_memory_bytes())
         self.model = load_model(model, config.dtype)
@@ -230,9 +229,14 @@ class Engine:
         if user.want_logprobs is not None and sampled.sampled_logprobs is not None:
             out.logprobs.append(self._logprobs_entry(token, row, sampled, user.want_logprobs))
             out.cumulative_logprob += float(sampled.sampled_logprobs[row])
-        stop = detok.update([token])
-        if stop is not None and not finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        # A token that ended the request as EOS or a stop token id is not part of the text (vLLM).
+        ended_by_token = finished and req.status == RequestStatus.FINISHED_STOPPED
+        stop = None if ended_by_token else detok.update([token])
+        if stop is not None:
+            if finished:  # the same token also hit max_tokens: the stop string wins, as in vLLM
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             req.stop_reason = stop
         if req.status.finished:
             detok.finish()
