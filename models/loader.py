@@ -133,6 +133,11 @@ def _cache_key(path: Path, dtype: np.dtype) -> str:
 _COMPLETE = "complete"  # written last, so a half-written entry is never read
 
 
+def _gguf_cache_entry(path: Path, dtype: str, cache_dir: str | os.PathLike | None) -> Path:
+    # The key needs the resolved dtype, which for GGUF does not depend on the file's contents.
+    return cache_root(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
+
+
 def _restore_cached(entry: Path, abstract_of: Callable[[dict[str, Any]], Any]) -> tuple[Any, dict, Any] | None:
     """(params, hf_config, tokenizer) from a cache entry, or None when there is no usable entry."""
     import orbax.checkpoint as ocp
@@ -198,8 +203,7 @@ def _load_gguf(
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
         return arch.abstract_params(cfg, np_dtype)
 
-    # The key needs the resolved dtype, which for GGUF does not depend on the file's contents.
-    entry = cache_root(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
+    entry = _gguf_cache_entry(path, dtype, cache_dir)
     if use_cache:
         cached = _restore_cached(entry, abstract_of)
         if cached is not None:
@@ -231,7 +235,7 @@ def inspect_model(
     if kind == "hf":
         hf_config = _read_hf_config(path)
     else:
-        cached = cache_root(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf")) / "config.json"
+        cached = _gguf_cache_entry(path, dtype, cache_dir) / "config.json"
         hf_config = json.loads(cached.read_text()) if cached.exists() else GGUFCheckpoint(path).hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     abstract = arch.abstract_params(cfg, np_dtype)
