@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import time
@@ -24,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = sub.add_parser(
         "generate",
-        help="complete one prompt greedily and print the text as it is produced",
-        description="Complete one prompt with greedy decoding, streaming the text to stdout.",
+        help="complete one prompt and print the text as it is produced",
+        description="Complete one prompt (greedy unless --temperature is set), streaming the text to stdout.",
     )
     gen.add_argument("--model", default=None,
                      help="Hugging Face checkpoint directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
@@ -33,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="send the prompt as a user message through the model's chat template")
     gen.add_argument("--max-tokens", type=_positive_int, default=64, help="maximum new tokens (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--max-model-len", type=_positive_int, default=None,
+                     help="longest prompt + output in tokens (default: the model's context length)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="weight and activation dtype (default: auto = the checkpoint's; float32 for GGUF)")
     gen.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
@@ -43,55 +46,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from models import load_model
-    from paxserve.greedy import greedy_stream
-    from paxserve.model_runner import ModelRunner
+    from paxserve.engine import Engine
+    from paxserve.sampling_params import SamplingParams
 
     log = logging.getLogger("paxserve")
-    model = load_model(args.model, args.dtype)
-    tok = model.tokenizer
-    if tok is None:
-        raise ValueError(f"{model.source} has no tokenizer, so text prompts cannot be encoded")
+    engine = Engine(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+                    max_num_seqs=1, warmup=False, log_stats_interval=0)
+    if engine.tokenizer is None:
+        raise ValueError(f"{engine.model.source} has no tokenizer, so text prompts cannot be encoded")
+    prompt: str | list[int] = args.prompt
     if args.chat:
-        if not tok.chat_template:
-            raise ValueError(f"{model.source} has no chat template; drop --chat")
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-    else:
-        ids = tok.encode(args.prompt)
-    limit = model.config.max_position_embeddings
-    if not ids:
-        raise ValueError("prompt: the prompt encodes to no tokens")
-    if len(ids) >= limit:
-        raise ValueError(f"prompt: {len(ids)} tokens leave no room within the model's {limit}-token context")
-    max_tokens = min(args.max_tokens, limit - len(ids))
-    num_blocks = math.ceil((len(ids) + max_tokens) / args.block_size) + 1  # + the null block
-    runner = ModelRunner(model, num_blocks, args.block_size)
-    log.info("prompt: %d tokens; generating up to %d (the first step compiles the model)", len(ids), max_tokens)
-    out: list[int] = []
-    shown = ""
+        if not engine.tokenizer.chat_template:
+            raise ValueError(f"{engine.model.source} has no chat template; drop --chat")
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                                    add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens)
+    engine.add_request("cli", prompt, params)
+    log.info("generating up to %d tokens (the first steps compile the model)", args.max_tokens)
     start = time.perf_counter()
     first_token_at = None
-    for tokens, _ in greedy_stream(runner, [ids], max_tokens, stop_token_ids=model.config.eos_token_ids):
-        token = tokens[0]
-        if token is None:
-            break
-        first_token_at = first_token_at or time.perf_counter()
-        if token in model.config.eos_token_ids:
-            break
-        out.append(token)
-        text = tok.decode(out, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # hold back an incomplete multi-byte character
-            sys.stdout.write(text[len(shown):])
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first_token_at = first_token_at or time.perf_counter()
+            sys.stdout.write(out.outputs[0].delta_text)
             sys.stdout.flush()
-            shown = text
-    sys.stdout.write(tok.decode(out, skip_special_tokens=True)[len(shown):] + "\n")
-    elapsed = time.perf_counter() - start
-    if out and first_token_at is not None:
-        rate = (len(out) - 1) / max(time.perf_counter() - first_token_at, 1e-9)
+            num_tokens = len(out.outputs[0].token_ids)
+    sys.stdout.write("\n")
+    if first_token_at is not None:
+        rate = (num_tokens - 1) / max(time.perf_counter() - first_token_at, 1e-9)
         log.info("%d tokens in %.1fs (first token after %.1fs incl. compilation, then %.1f tokens/s)",
-                 len(out), elapsed, first_token_at - start, rate)
+                 num_tokens, time.perf_counter() - start, first_token_at - start, rate)
     return 0
 
 

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from models import LoadedModel, load_model
 from paxserve.batch import SeqChunk, build_batch, next_power_of_2
-from paxserve.greedy import greedy_stream
+from tests.paged_greedy import greedy_stream
 from paxserve.model_runner import ModelRunner
 from tests.helpers import make_tiny_llama, rel_error
 

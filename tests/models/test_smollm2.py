@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from models import LoadedModel, load_model
 from models.bundled import default_model_path
 from paxserve.batch import SeqChunk, build_batch
-from paxserve.greedy import greedy_generate
+from tests.paged_greedy import greedy_generate
 from paxserve.model_runner import ModelRunner
 from tests.helpers import rel_error
 

@@ -1,6 +1,6 @@
 """Batched greedy generation over the paged cache with a plain block list.
 
-This is the pre-scheduler path used by `paxserve generate` and by the parity tests; the Engine's
+Used by the parity tests to drive the model through shuffled pages step by step; the Engine's
 scheduler replaces its block bookkeeping with the block pool.
 """
 
