@@ -120,19 +120,42 @@ def test_prefill_logits_match_hf(ours: LoadedModel, hf: tuple[Any, Any], report)
     assert worst[1] < 1e-4
 
 
-def test_greedy_continuations_identical_to_hf(ours: LoadedModel, hf: tuple[Any, Any], report) -> None:
+@pytest.fixture(scope="module")
+def hf_greedy(ours: LoadedModel, hf: tuple[Any, Any]) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, HF's greedy 32-token continuations stopping at EOS), computed once."""
     hf_model, _ = hf
     prompts = _prompt_ids(ours.tokenizer)
     eos = ours.config.eos_token_ids
-    runner = ModelRunner(ours, num_blocks=96, block_size=16)
-    start = time.perf_counter()
-    got = greedy_generate(runner, prompts, 32, stop_token_ids=eos, shuffle_seed=3)
-    seconds = time.perf_counter() - start
     hf_model.generation_config = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=list(eos),
                                                   pad_token_id=eos[0])
-    for p, ours_ids in zip(prompts, got):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([p]))[0, len(p):].tolist()
+    with torch.no_grad():
+        refs = [hf_model.generate(torch.tensor([p]))[0, len(p):].tolist() for p in prompts]
+    return prompts, refs
+
+
+def test_greedy_continuations_identical_to_hf(ours: LoadedModel, hf_greedy, report) -> None:
+    prompts, refs = hf_greedy
+    runner = ModelRunner(ours, num_blocks=96, block_size=16)
+    start = time.perf_counter()
+    got = greedy_generate(runner, prompts, 32, stop_token_ids=ours.config.eos_token_ids, shuffle_seed=3)
+    seconds = time.perf_counter() - start
+    for ours_ids, ref in zip(got, refs):
         assert ours_ids == ref, ours.tokenizer.decode(ours_ids) + " != " + ours.tokenizer.decode(ref)
     assert "Paris" in ours.tokenizer.decode(got[0])
     report(f"SmolLM2 greedy: {len(prompts)} prompts x up to 32 tokens identical to HF ({seconds:.1f}s incl. compile)")
+
+
+def test_engine_generate_matches_hf(hf_greedy, tmp_path) -> None:
+    """The whole engine (scheduler, block pool, on-device sampler, detokenizer) on the bundled model."""
+    from paxserve import Engine, SamplingParams
+
+    prompts, refs = hf_greedy
+    engine = Engine(max_model_len=512, max_num_seqs=8, warmup=False, log_stats_interval=0,
+                    compilation_cache_dir="")
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    for out, ref in zip(outs, refs):
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].text == engine.tokenizer.decode(ref, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason == ("stop" if ref[-1] in engine.model_config.eos_token_ids else "length")
+    chat = engine.chat(CHATS[0], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == refs[0]
