@@ -14,8 +14,14 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
+    """Counted once per request, when it is first admitted (not per failed attempt or resume)."""
+
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which served from cached blocks
+
+    def record(self, num_tokens: int, num_hit: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit
 
     @property
     def hit_rate(self) -> float:
@@ -63,8 +69,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

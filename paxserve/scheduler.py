@@ -118,8 +118,10 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
-            if request.status == RequestStatus.WAITING:
+            if request.status == RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = num_hit
+                if self.kv.enable_caching:
+                    self.kv.prefix_stats.record(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)

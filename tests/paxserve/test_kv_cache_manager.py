@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paxserve.kv_cache_manager import KVCacheManager, cdiv
-from paxserve.request import Request
+from paxserve.request import Request, RequestStatus
 from paxserve.sampling_params import SamplingParams
 
 BS = 4
@@ -232,17 +232,28 @@ def test_hit_on_shared_in_use_block_costs_no_free_block():
     assert kv2.block_ids("b") == [1, 2, 4]
 
 
-def test_prefix_stats_in_tokens():
-    kv = KVCacheManager(num_blocks=20, block_size=BS, enable_caching=True)
+def test_prefix_stats_in_tokens_once_per_admitted_request():
+    from paxserve.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(num_blocks=7, block_size=BS, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
     assert kv.prefix_stats.hit_rate == 0.0
-    a = make_req("a", list(range(1, 11)))
-    admit(kv, a)
-    run(a, 10)
+    a = make_req("a", list(range(1, 11)), max_tokens=3)
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), [7])
     assert (kv.prefix_stats.queries, kv.prefix_stats.hits) == (10, 0)
-    b = make_req("b", list(range(1, 11)) + [0, 0, 0])
-    admit(kv, b)
+    b = make_req("b", list(range(1, 11)) + [0, 0, 0], max_tokens=3)
+    c = make_req("c", list(range(30, 42)), max_tokens=2)  # 3 blocks: no room while a and b hold 5 of 6
+    sched.add_request(b)
+    sched.add_request(c)
+    for _ in range(2):  # c is looked up at every step but counted only once admitted
+        sched.update_from_output(out := sched.schedule(), [7] * len(out.scheduled))
+    assert c.status == RequestStatus.WAITING
     assert (kv.prefix_stats.queries, kv.prefix_stats.hits) == (23, 8)
     assert kv.prefix_stats.hit_rate == pytest.approx(8 / 23)
+    while sched.num_unfinished:
+        sched.update_from_output(out := sched.schedule(), [7] * len(out.scheduled))
+    assert (kv.prefix_stats.queries, kv.prefix_stats.hits) == (35, 8)
 
 
 def test_free_puts_tail_block_first():
