@@ -34,6 +34,7 @@ def bench_paxserve(prompts: list[list[int]], output_len: int, runs: int, args: a
     times, peak_usage = [], 0.0
     preempt_before = engine.stats.preemptions
     for _ in range(runs):
+        engine.reset_prefix_cache()  # the same prompts again would otherwise be served from the cache
         start = time.perf_counter()
         for i, p in enumerate(prompts):
             engine.add_request(f"b{i}", p, params)

@@ -14,12 +14,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.loader import cache_root, inspect_model, load_model
+from models.registry import get_architecture
 from paxserve.batch import SeqChunk, next_power_of_2
 from paxserve.config import EngineConfig
 from paxserve.detokenizer import IncrementalDetokenizer
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.memory import plan_kv_cache
-from paxserve.model_runner import ModelRunner
+from paxserve.model_runner import ModelRunner, measure_activation_bytes
 from paxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from paxserve.request import Request, RequestStatus
 from paxserve.sampling_metadata import SampledTokens, SamplingRow, build_sampling_inputs
@@ -80,7 +81,18 @@ class Engine:
         if config.compilation_cache_dir != "":
             _enable_compilation_cache(config.compilation_cache_dir or str(cache_root() / "xla"))
         info = inspect_model(model, config.dtype)
-        self.plan = plan_kv_cache(info.config, config, info.dtype.itemsize, info.weight_bytes, _device_memory_bytes())
+        device_bytes = _device_memory_bytes()
+        activation_bytes = 0
+        if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
+            model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
+                info.config.max_position_embeddings
+            activation_bytes = measure_activation_bytes(
+                info.config, get_architecture(info.config.architecture), info.dtype, config.block_size,
+                config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
+                -(-model_len // config.block_size))
+            logger.info("activation peak of the largest step: %.2f GiB", activation_bytes / 2**30)
+        self.plan = plan_kv_cache(info.config, config, info.dtype.itemsize, info.weight_bytes, device_bytes,
+                                  activation_bytes)
         self.model = load_model(model, config.dtype)
         self.tokenizer = self.model.tokenizer
         self.model_config = self.model.config
@@ -178,6 +190,10 @@ class Engine:
             if not sample.status.finished:
                 self.scheduler.abort(sample.request_id)
                 out.finish_reason = "abort"
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes (e.g. between benchmark runs over the same prompts)."""
+        self.kv.pool.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

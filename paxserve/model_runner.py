@@ -108,3 +108,29 @@ class ModelRunner:
             _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=self.model.config,
         )
         return unpack(np.asarray(packed), batch.num_seqs, sampling.num_logprobs)
+
+
+def measure_activation_bytes(
+    model_cfg: Any, architecture: Any, dtype: np.dtype, block_size: int, max_tokens: int, max_seqs: int,
+    max_blocks_per_seq: int,
+) -> int:
+    """Temporary memory XLA plans for the largest step bucket, from shapes alone (no weights are
+    needed), so memory planning can reserve it before the KV cache takes the rest."""
+    from paxserve.sampling_metadata import SamplingRow, build_sampling_inputs
+    from paxserve.sampling_params import SamplingParams
+
+    cfg = model_cfg
+    num_tokens, num_seqs = next_power_of_2(max_tokens), next_power_of_2(max_seqs)
+    kv_shape = (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = KVCache(k=jax.ShapeDtypeStruct(kv_shape, dtype), v=jax.ShapeDtypeStruct(kv_shape, dtype))
+    chunk = SeqChunk([0], 0, [1])
+    batch = build_batch([chunk], block_size, pad_tokens_to=num_tokens, pad_seqs_to=num_seqs,
+                        pad_blocks_to=max_blocks_per_seq)
+    sampling = build_sampling_inputs([SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), [0], [], 0, ())],
+                                     num_seqs, cfg.vocab_size)
+    lowered = _jitted_step(architecture.forward).lower(
+        architecture.abstract_params(cfg, dtype), kv, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+        _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=cfg,
+    )
+    analysis = lowered.compile().memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0

@@ -1,0 +1,85 @@
+"""Memory planning and engine-config validation (pure functions, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.config import ModelConfig
+from paxserve.config import EngineConfig
+from paxserve.memory import kv_bytes_per_block, plan_kv_cache
+
+# A Llama-3-8B-shaped config: 32 layers x 8 KV heads x 128 dims -> 128 KiB per token in bf16.
+LLAMA8B = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                      max_position_embeddings=8192)
+GiB = 2**30
+
+
+def test_kv_bytes_per_block_from_the_model_config() -> None:
+    assert kv_bytes_per_block(LLAMA8B, 16, 2) == 2 * 32 * 8 * 128 * 16 * 2 == 2 * 2**20
+
+
+def test_gpu_budget_is_utilization_times_memory_minus_weights_and_activations(caplog) -> None:
+    caplog.set_level("INFO")
+    plan = plan_kv_cache(LLAMA8B, EngineConfig(gpu_memory_utilization=0.9), 2, weight_bytes=16 * GiB,
+                         device_bytes=80 * GiB, activation_bytes=2 * GiB)
+    expected = int(0.9 * 80 * GiB - 18 * GiB) // (2 * 2**20)
+    assert plan.num_blocks == expected
+    assert plan.max_model_len == 8192
+    assert plan.max_concurrency == pytest.approx((expected - 1) * 16 / 8192)
+    assert f"maximum concurrency for 8192-token requests: {plan.max_concurrency:.2f}x" in caplog.text
+
+
+def test_explicit_budgets_and_overrides() -> None:
+    assert plan_kv_cache(LLAMA8B, EngineConfig(num_gpu_blocks_override=600), 2, 0, None).num_blocks == 600
+    assert plan_kv_cache(LLAMA8B, EngineConfig(kv_cache_memory_bytes=2 * GiB), 2, 0, None).num_blocks == 1024
+    cpu = plan_kv_cache(LLAMA8B, EngineConfig(), 2, 0, None)  # no device: the fixed host budget
+    assert cpu.num_blocks == 4 * GiB // (2 * 2**20)
+
+
+def test_a_max_model_len_that_cannot_fit_fails_with_numbers_and_the_largest_that_fits() -> None:
+    with pytest.raises(ValueError) as exc:
+        plan_kv_cache(LLAMA8B, EngineConfig(num_gpu_blocks_override=101), 2, 0, None)
+    msg = str(exc.value)
+    assert "one 8192-token request needs 512 KV blocks" in msg
+    assert "largest max_model_len that fits is 1600" in msg
+    assert "--max-model-len" in msg and "--gpu-memory-utilization" in msg
+
+
+def test_auto_max_model_len_is_the_largest_that_fits() -> None:
+    plan = plan_kv_cache(LLAMA8B, EngineConfig(max_model_len="auto", num_gpu_blocks_override=101), 2, 0, None)
+    assert plan.max_model_len == 1600
+    full = plan_kv_cache(LLAMA8B, EngineConfig(max_model_len="auto", num_gpu_blocks_override=2000), 2, 0, None)
+    assert full.max_model_len == 8192  # capped at the model's own context
+
+
+def test_max_model_len_beyond_the_model_is_rejected() -> None:
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=8192"):
+        plan_kv_cache(LLAMA8B, EngineConfig(max_model_len=10000), 2, 0, None)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_size=12), "block_size"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(max_model_len=0), "max_model_len"), (dict(max_model_len="big"), "max_model_len"),
+    (dict(dtype="int8"), "dtype"), (dict(num_gpu_blocks_override=1), "num_gpu_blocks_override"),
+    (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes"), (dict(seed=-3), "seed"),
+])
+def test_invalid_engine_config_names_the_field_and_the_allowed_values(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{field}=.* is invalid: "):
+        EngineConfig(**kwargs)
+
+
+def test_activation_peak_is_measured_from_shapes_alone() -> None:
+    import numpy as np
+
+    from models.registry import get_architecture
+    from paxserve.model_runner import measure_activation_bytes
+
+    tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256)
+    arch = get_architecture(tiny.architecture)
+    small = measure_activation_bytes(tiny, arch, np.dtype(np.float32), 16, 16, 2, 4)
+    large = measure_activation_bytes(tiny, arch, np.dtype(np.float32), 16, 256, 8, 16)
+    assert 0 < small < large  # more tokens in the largest bucket need more scratch memory
