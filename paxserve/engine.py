@@ -185,7 +185,7 @@ class Engine:
         user = self._requests.pop(request_id, None)
         if user is None:
             return
-        for sample, out, detok in zip(user.samples, user.outputs, user.detokenizers):
+        for sample, out in zip(user.samples, user.outputs):
             self._sample_owner.pop(sample.request_id, None)
             if not sample.status.finished:
                 self.scheduler.abort(sample.request_id)
