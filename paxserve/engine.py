@@ -195,6 +195,19 @@ class Engine:
         """Forget all cached prefixes (e.g. between benchmark runs over the same prompts)."""
         self.kv.pool.reset_prefix_cache()
 
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for monitoring (call on the engine's own thread)."""
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_stats.queries,
+            "prefix_cache_hits": self.kv.prefix_stats.hits,
+            "num_preemptions": self.stats.preemptions,
+            "prompt_tokens": self.stats.prompt_tokens,
+            "generation_tokens": self.stats.generation_tokens,
+        }
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
