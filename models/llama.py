@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 from models.config import ModelConfig
 from models.layers import dense, gated_mlp, rms_norm
 from models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from pallas_kernels import AttentionMetadata, KVCache, ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, paged_attention, write_kv_reference
 
 
 @struct.dataclass
@@ -52,9 +52,11 @@ def forward(
     positions: Int[Array, " T"],
     metadata: AttentionMetadata,
     cfg: ModelConfig,
+    attention_backend: AttentionBackend = REFERENCE,
 ) -> tuple[Float[Array, "S V"], KVCache]:
     """Run a flattened ragged batch of new tokens; return float32 logits at
-    `metadata.logits_indices` and the updated cache."""
+    `metadata.logits_indices` and the updated cache. `attention_backend` (static) picks the
+    attention implementation: the XLA reference by default, or the Pallas kernel."""
     num_tokens = input_ids.shape[0]
     x = params.embed[input_ids]
     inv_freq, rope_scale = rope_frequencies(cfg)
@@ -72,8 +74,8 @@ def forward(
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv_reference(k_cache, v_cache, index, k, v, metadata.slot_mapping)
-        attn = ragged_paged_attention_reference(
-            q, k_cache, v_cache, index, metadata, sm_scale=cfg.head_dim**-0.5
+        attn = paged_attention(
+            q, k_cache, v_cache, index, metadata, sm_scale=cfg.head_dim**-0.5, backend=attention_backend
         )
         x = x + dense(attn.reshape(num_tokens, q_size), p.o_w, p.o_b)
         h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)

@@ -3,11 +3,26 @@
 from pallas_kernels.kv_cache import KVCache
 from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels.ragged_paged_attention import RaggedPagedAttentionConfig, ragged_paged_attention
+from pallas_kernels.dispatch import (  # noqa: I001 (after the kernels it dispatches to)
+    ATTENTION_BACKEND_OPTIONS,
+    REFERENCE,
+    AttentionBackend,
+    paged_attention,
+    resolve_attention_backend,
+)
 
 __all__ = [
+    "ATTENTION_BACKEND_OPTIONS",
     "NULL_BLOCK",
+    "REFERENCE",
+    "AttentionBackend",
     "AttentionMetadata",
     "KVCache",
+    "RaggedPagedAttentionConfig",
+    "paged_attention",
+    "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "resolve_attention_backend",
     "write_kv_reference",
 ]

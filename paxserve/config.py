@@ -7,6 +7,8 @@ from typing import Literal
 
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto": the Pallas kernel on a GPU, the XLA reference on CPU (see pallas_kernels/dispatch.py).
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 # With no GPU, the KV cache lives in host memory; like vLLM's CPU backend, take a fixed budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
 
@@ -32,6 +34,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # None: <cache dir>/xla; "" disables the persistent cache
     warmup: bool = True  # compile the decode buckets at start-up instead of on first use
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
+    attention_backend: str = "auto"  # "auto" | "pallas" | "reference"; resolved at Engine start
 
     def __post_init__(self) -> None:
         if self.max_model_len not in (None, "auto") and (
@@ -62,3 +65,5 @@ class EngineConfig:
             raise _bad("seed", self.seed, "must be an integer >= 0")
         if self.log_stats_interval < 0:
             raise _bad("log_stats_interval", self.log_stats_interval, "must be >= 0 seconds")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise _bad("attention_backend", self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")

@@ -27,6 +27,7 @@ from paxserve.sampling_metadata import SampledTokens, SamplingRow, build_samplin
 from paxserve.sampling_params import SamplingParams
 from paxserve.scheduler import Scheduler, SchedulerConfig
 from paxserve.stats import StatsLogger
+from pallas_kernels import resolve_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,11 @@ class Engine:
         if config.compilation_cache_dir != "":
             _enable_compilation_cache(config.compilation_cache_dir or str(cache_root() / "xla"))
         info = inspect_model(model, config.dtype)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, jax.devices()[0].platform, num_heads=info.config.num_heads,
+            num_kv_heads=info.config.num_kv_heads, head_dim=info.config.head_dim, block_size=config.block_size,
+            dtype=info.dtype)
+        logger.info("attention backend: %s", self.attention_backend)
         device_bytes = _device_memory_bytes()
         activation_bytes = 0
         if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
@@ -89,7 +95,7 @@ class Engine:
             activation_bytes = measure_activation_bytes(
                 info.config, get_architecture(info.config.architecture), info.dtype, config.block_size,
                 config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
-                -(-model_len // config.block_size))
+                -(-model_len // config.block_size), attention_backend=self.attention_backend)
             logger.info("activation peak of the largest step: %.2f GiB", activation_bytes / 2**30)
         self.plan = plan_kv_cache(info.config, config, info.dtype.itemsize, info.weight_bytes, device_bytes,
                                   activation_bytes)
@@ -102,7 +108,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len), self.kv
         )
-        self.runner = ModelRunner(self.model, self.plan.num_blocks, config.block_size, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.plan.num_blocks, config.block_size, self.max_model_len,
+                                  attention_backend=self.attention_backend)
         self.stats = StatsLogger(config.log_stats_interval)
         self._requests: dict[str, _UserRequest] = {}
         self._sample_owner: dict[str, _UserRequest] = {}

@@ -18,7 +18,7 @@ from models.loader import LoadedModel
 from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
 from paxserve.sampler import SamplingMetadata, sample
 from paxserve.sampling_metadata import SampledTokens, SamplingInputs, unpack
-from pallas_kernels import AttentionMetadata, KVCache
+from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +27,20 @@ logger = logging.getLogger(__name__)
 def _jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Forward only (logits back to the host): one jitted function per architecture, shared by all
     runners, so XLA's cache (keyed by the static config and shapes) is reused across runners."""
-    return jax.jit(forward, static_argnames=("cfg",), donate_argnums=(1,))
+    return jax.jit(forward, static_argnames=("cfg", "attention_backend"), donate_argnums=(1,))
 
 
 @cache
 def _jitted_step(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Forward + on-device sampling: only the packed sampled ids (and logprobs) leave the device."""
 
-    def step(params, kv_cache, input_ids, positions, metadata, sampling, cfg):  # noqa: ANN001, ANN202
-        logits, kv_cache = forward(params, kv_cache, input_ids, positions, metadata, cfg)
+    def step(params, kv_cache, input_ids, positions, metadata, sampling, cfg,  # noqa: ANN001, ANN202
+             attention_backend=REFERENCE):  # noqa: ANN001
+        logits, kv_cache = forward(params, kv_cache, input_ids, positions, metadata, cfg,
+                                   attention_backend=attention_backend)
         return sample(logits, sampling), kv_cache
 
-    return jax.jit(step, static_argnames=("cfg",), donate_argnums=(1,))
+    return jax.jit(step, static_argnames=("cfg", "attention_backend"), donate_argnums=(1,))
 
 
 def _metadata(batch: Batch) -> AttentionMetadata:
@@ -55,12 +57,14 @@ class ModelRunner:
     """Params + KV cache + jitted steps. The cache is donated to every step and replaced by the
     step's output, so XLA updates it in place."""
 
-    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None) -> None:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None,
+                 attention_backend: AttentionBackend = REFERENCE) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         cfg = model.config
         self.model = model
         self.block_size = block_size
+        self.attention_backend = attention_backend  # static argument of every jitted step
         self.max_blocks_per_seq = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
         self.kv_cache = KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                       jnp.dtype(model.dtype))
@@ -92,7 +96,7 @@ class ModelRunner:
                            batch.block_tables.shape[1]))
         logits, self.kv_cache = _jitted_logits(self.model.architecture.forward)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            _metadata(batch), cfg=self.model.config,
+            _metadata(batch), cfg=self.model.config, attention_backend=self.attention_backend,
         )
         return np.asarray(logits[: batch.num_seqs])
 
@@ -106,13 +110,14 @@ class ModelRunner:
         packed, self.kv_cache = _jitted_step(self.model.architecture.forward)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
             _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=self.model.config,
+            attention_backend=self.attention_backend,
         )
         return unpack(np.asarray(packed), batch.num_seqs, sampling.num_logprobs)
 
 
 def measure_activation_bytes(
     model_cfg: Any, architecture: Any, dtype: np.dtype, block_size: int, max_tokens: int, max_seqs: int,
-    max_blocks_per_seq: int,
+    max_blocks_per_seq: int, attention_backend: AttentionBackend = REFERENCE,
 ) -> int:
     """Temporary memory XLA plans for the largest step bucket, from shapes alone (no weights are
     needed), so memory planning can reserve it before the KV cache takes the rest."""
@@ -130,7 +135,7 @@ def measure_activation_bytes(
                                      num_seqs, cfg.vocab_size)
     lowered = _jitted_step(architecture.forward).lower(
         architecture.abstract_params(cfg, dtype), kv, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-        _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=cfg,
+        _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=cfg, attention_backend=attention_backend,
     )
     analysis = lowered.compile().memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0

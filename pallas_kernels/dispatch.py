@@ -1,0 +1,110 @@
+"""Attention backend dispatch: the Pallas kernel on GPU, the XLA reference on CPU.
+
+The choice is a static, hashable `AttentionBackend` that the model's jitted forward takes as a
+static argument (no globals, no environment variables). `resolve_attention_backend` turns the
+engine option ("auto", "pallas", "reference") into one, from the platform and the model's shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import (
+    RaggedPagedAttentionConfig,
+    ragged_paged_attention,
+    supports_ragged_paged_attention,
+)
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKEND_OPTIONS = ("auto", "pallas", "reference")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """Which attention implementation the model runs.
+
+    name: "pallas" (the Triton kernel) or "reference" (pure jnp / XLA).
+    interpret: run the Pallas kernel with the Pallas interpreter (CPU tests; slow).
+    config: the Pallas kernel's tuning knobs.
+    """
+
+    name: str = "reference"
+    interpret: bool = False
+    config: RaggedPagedAttentionConfig = field(default_factory=RaggedPagedAttentionConfig)
+
+    def __post_init__(self) -> None:
+        if self.name not in ("pallas", "reference"):
+            raise ValueError(f"AttentionBackend.name must be 'pallas' or 'reference', got {self.name!r}")
+
+
+REFERENCE = AttentionBackend("reference")
+
+
+def paged_attention(
+    q: Float[Array, "T H D"],
+    k_cache: Float[Array, "L N P K D"],
+    v_cache: Float[Array, "L N P K D"],
+    layer: Int[Array, ""] | int,
+    metadata: AttentionMetadata,
+    *,
+    sm_scale: float,
+    backend: AttentionBackend = REFERENCE,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> Float[Array, "T H D"]:
+    """Ragged paged attention (see `ragged_paged_attention_reference`) on the chosen backend."""
+    if backend.name == "pallas":
+        return ragged_paged_attention(
+            q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap, config=backend.config, interpret=backend.interpret,
+        )
+    return ragged_paged_attention_reference(
+        q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+
+
+def resolve_attention_backend(
+    option: str,
+    platform: str,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: jnp.dtype,
+) -> AttentionBackend:
+    """The backend for an engine option on a platform (`jax.devices()[0].platform`).
+
+    "auto": Pallas on a GPU when the kernel supports the model's shapes, else the reference.
+    "pallas": the kernel, or a ValueError naming what it does not support; on a CPU it can only
+      run in interpret mode (slow, for tests), which is what it then does.
+    "reference": the XLA reference everywhere.
+    """
+    if option not in ATTENTION_BACKEND_OPTIONS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_OPTIONS)}, got {option!r}")
+    if option == "reference":
+        return REFERENCE
+    reason = supports_ragged_paged_attention(num_heads, num_kv_heads, head_dim, block_size, dtype)
+    on_gpu = platform.lower() in _GPU_PLATFORMS
+    if option == "auto":
+        if not on_gpu:
+            return REFERENCE
+        if reason:
+            logger.warning("attention: the Pallas kernel does not support this model (%s); using the XLA reference",
+                           reason)
+            return REFERENCE
+        return AttentionBackend("pallas")
+    if reason:
+        raise ValueError(f"attention_backend='pallas' cannot serve this model: {reason}")
+    if not on_gpu:
+        logger.warning("attention: Pallas on %s runs in interpret mode (slow; meant for tests)", platform)
+        return AttentionBackend("pallas", interpret=True)
+    return AttentionBackend("pallas")
