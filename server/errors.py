@@ -1,0 +1,103 @@
+"""The OpenAI error envelope and the middleware that turns every failure into it.
+
+Every error the server sends, unknown paths and wrong methods included, is
+`{"error": {"message", "type", "param", "code"}}` with `code` = the HTTP status (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+logger = logging.getLogger("paxserve.server")
+
+# OpenAI SDK exception names where one exists; otherwise the HTTP reason phrase in CamelCase.
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    409: "ConflictError",
+    413: "RequestEntityTooLarge",
+    415: "UnsupportedMediaType",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailable",
+}
+
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+
+
+class ProtocolError(Exception):
+    """A request the server refuses, with the field to blame and the HTTP status to send."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, type: str | None = None,
+                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type or ERROR_TYPES.get(status, "APIError")
+        self.code = status if code is None else code
+        self.headers = headers or {}
+
+    def envelope(self) -> dict[str, Any]:
+        return error_envelope(self.message, self.type, self.param, self.code)
+
+
+def error_envelope(message: str, type: str, param: str | None, code: int | str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(err: ProtocolError) -> web.Response:
+    return web.json_response(err.envelope(), status=err.status, headers=err.headers, dumps=json.dumps)
+
+
+def from_value_error(e: ValueError, default_param: str | None = None) -> ProtocolError:
+    """Map a ValueError from SamplingParams or Engine.add_request to a 400 naming the field."""
+    message = str(e)
+    match = _SAMPLING_FIELD.search(message)
+    if match:
+        return ProtocolError(message, param=match.group(1))
+    if message.startswith("prompt:"):
+        return ProtocolError(message, param=default_param or "prompt")
+    return ProtocolError(message, param=default_param)
+
+
+def from_http_exception(e: web.HTTPException, request: web.Request) -> ProtocolError:
+    status = e.status
+    if status == 404:
+        message = f"Not Found: no route for {request.path}"
+    elif status == 405:
+        allowed = ", ".join(sorted(getattr(e, "allowed_methods", ()) or ()))
+        message = f"Method Not Allowed: {request.method} {request.path}" + (f" (allowed: {allowed})" if allowed else "")
+    elif status == 413:
+        message = f"Request body too large: {e.text or 'over the limit'}"
+    else:
+        message = e.text or e.reason
+    headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+    return ProtocolError(message, status=status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:  # redirects and the like pass through
+            raise
+        return error_response(from_http_exception(e, request))
+    except ValueError as e:
+        return error_response(from_value_error(e))
+    except Exception as e:  # noqa: BLE001 - the server stays up; the client gets a 500 envelope
+        logger.exception("unexpected error while serving %s %s", request.method, request.path)
+        return error_response(ProtocolError(f"Internal server error: {type(e).__name__}: {e}", status=500))

@@ -1,0 +1,93 @@
+"""OpenAI response and stream-chunk dicts, in the exact shapes the official clients parse."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from paxserve.outputs import Logprob
+
+# JSON has no -inf; vLLM sends this floor instead.
+_LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else _LOGPROB_FLOOR
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                           "completion_tokens": completion_tokens}
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def _token_str(token_id: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], text_offset: int) -> dict[str, Any]:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry[token_id]
+        text = _token_str(token_id, sampled)
+        tokens.append(text)
+        token_logprobs.append(_lp(sampled.logprob))
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+        top.append({_token_str(t, lp): _lp(lp.logprob) for t, lp in ranked})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_token(token_id: int, lp: Logprob) -> dict[str, Any]:
+    text = _token_str(token_id, lp)
+    return {"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int) -> dict[str, Any]:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        item = _chat_token(token_id, entry[token_id])
+        alternatives = sorted((kv for kv in entry.items() if kv[1].rank is not None and kv[1].rank <= top_k),
+                              key=lambda kv: kv[1].rank)
+        item["top_logprobs"] = [_chat_token(t, lp) for t, lp in alternatives]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index,
+            "message": {"role": "assistant", "content": content, "refusal": None, "tool_calls": []},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def response(kind: str, request_id: str, created: int, model: str, choices: list[dict],
+             usage_: dict[str, Any] | None, chunk: bool = False, with_usage: bool = True) -> dict[str, Any]:
+    """A whole response (chunk=False) or one stream chunk, for kind "completion" or "chat". Chunks
+    carry a `usage` field (null until the last) only when the client asked for usage."""
+    if kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if kind == "chat":
+        out["system_fingerprint"] = None
+    if not chunk or with_usage:
+        out["usage"] = usage_
+    return out

@@ -1,0 +1,45 @@
+"""What the HTTP layer needs to know besides the engine: names, limits and policies from the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MiB = 2**20
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=lambda: [DEFAULT_MODEL_NAME])
+    model_root: str | None = None  # the checkpoint path, shown as `root` in /v1/models
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
+    max_logprobs: int = 20
+    # 429 once more than this many sequences would wait for a batch slot (None: no limit).
+    max_num_queued_reqs: int | None = None
+    chat_template: str | None = None  # overrides the model's own template
+    log_requests: bool = False
+    # Filled from the engine by create_app when left None.
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    max_num_seqs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("ServerSettings.served_model_names must name at least one model")
+        if not 0 <= self.max_logprobs:
+            raise ValueError(f"ServerSettings.max_logprobs={self.max_logprobs} must be >= 0")
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
+            raise ValueError(f"ServerSettings.max_num_queued_reqs={self.max_num_queued_reqs} must be >= 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def response_model(self, requested: str | None) -> str:
+        """The name echoed in responses: the one the client asked for when it is one of ours."""
+        return requested if requested in self.served_model_names else self.model_name
+
+    @property
+    def client_max_size(self) -> int:
+        """Body limit: a full max_model_len of token ids (up to ~16 bytes each in JSON) must fit."""
+        return max(MiB, (self.max_model_len or 0) * 16 + 64 * 1024)
