@@ -1,0 +1,202 @@
+"""The aiohttp application: routes, API-key check, and the small endpoints.
+
+    app = create_app(async_engine, settings)
+    web.run_app(app, handler_cancellation=True)  # serve.run_server does this with signals and logs
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
+GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import paxserve
+from server.errors import ProtocolError, error_middleware
+from server.handlers import chat_completions, completions
+from server.metrics import ServerMetrics
+from server.prompts import render_chat
+from server.protocol import check_model, get_bool, parse_json_body, parse_messages, token_ids
+from server.settings import ServerSettings
+from server.state import STATE, ServerState
+
+logger = logging.getLogger("paxserve.server")
+
+
+def create_app(async_engine: Any, settings: ServerSettings | None = None) -> web.Application:
+    """An app serving `async_engine` (a paxserve AsyncEngine). Limits left unset in `settings`
+    (max_model_len, vocab_size, max_num_seqs) are read from the engine."""
+    settings = settings or ServerSettings()
+    engine = async_engine.engine
+    if settings.max_model_len is None:
+        settings.max_model_len = engine.max_model_len
+    if settings.vocab_size is None:
+        settings.vocab_size = engine.model_config.vocab_size
+    if settings.max_num_seqs is None:
+        settings.max_num_seqs = engine.config.max_num_seqs
+    info = {}
+    plan = getattr(engine, "plan", None)
+    if plan is not None:
+        info = {"block_size": str(plan.block_size), "num_gpu_blocks": str(plan.num_blocks),
+                "enable_prefix_caching": str(engine.config.enable_prefix_caching)}
+    metrics = ServerMetrics(settings.model_name, settings.max_model_len, info)
+    app = web.Application(middlewares=[error_middleware, _auth_middleware],
+                          client_max_size=settings.client_max_size)
+    app[STATE] = ServerState(async_engine, settings, metrics, created=int(time.time()))
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.on_shutdown.append(_abort_in_flight)
+    return app
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    key = request.app[STATE].settings.api_key
+    if key and request.path.startswith("/v1"):
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ProtocolError("Unauthorized: missing or invalid API key; send `Authorization: Bearer <key>`.",
+                                status=401)
+    return await handler(request)
+
+
+async def _abort_in_flight(app: web.Application) -> None:
+    """on_shutdown (the listening sockets are already closed): end every in-flight request now."""
+    state = app[STATE]
+    state.shutting_down = True
+    if state.runs:
+        logger.info("shutting down: aborting %d in-flight requests", len(state.runs))
+    for run in list(state.runs):
+        run.shutdown()
+
+
+# ---- models, health, metrics, version ---------------------------------------------------------
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    return {
+        "id": name, "object": "model", "created": state.created, "owned_by": "paxserve",
+        "root": state.settings.model_root or name, "parent": None, "max_model_len": state.settings.max_model_len,
+        "permission": [{
+            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False,
+        }],
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list",
+                              "data": [_model_card(state, name) for name in state.settings.served_model_names]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in state.settings.served_model_names:
+        raise ProtocolError(f"The model `{name}` does not exist.", param="model", status=404)
+    return web.json_response(_model_card(state, name))
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.async_engine.is_alive:
+        raise ProtocolError(f"The engine loop has stopped: {state.async_engine.error!r}", status=503)
+    return web.Response(status=200)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.async_engine.is_alive:
+        try:
+            snapshot = await asyncio.wait_for(state.async_engine.call(lambda engine: engine.metrics()), timeout=10)
+            state.metrics.update_engine(snapshot)
+        except Exception:  # noqa: BLE001 - serve the last snapshot rather than fail the scrape
+            logger.warning("could not read engine metrics; serving the last snapshot", exc_info=True)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": paxserve.__version__})
+
+
+# ---- tokenizer endpoints ----------------------------------------------------------------------
+
+async def _on_engine(state: ServerState, fn: Callable[[Any], Any]) -> Any:
+    state.check_serving()
+    try:
+        return await state.async_engine.call(fn)
+    except ProtocolError:
+        raise
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+
+
+def _require_tokenizer(engine: Any) -> Any:
+    if engine.tokenizer is None:
+        raise ProtocolError("this model has no tokenizer")
+    return engine.tokenizer
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
+    state = request.app[STATE]
+    body = parse_json_body(await request.read())
+    check_model(body, state.settings)
+    return_strs = bool(get_bool(body, "return_token_strs", False))
+    if body.get("messages") is not None:
+        messages = parse_messages(body["messages"])
+        add_generation_prompt = bool(get_bool(body, "add_generation_prompt", True))
+        continue_final = bool(get_bool(body, "continue_final_message", False))
+        add_special = bool(get_bool(body, "add_special_tokens", False))
+        template = body.get("chat_template") if isinstance(body.get("chat_template"), str) else None
+
+        def run(engine: Any) -> tuple[list[int], list[str] | None]:
+            text = render_chat(engine, messages, template or state.settings.chat_template,
+                               add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
+            ids = list(engine.tokenizer.encode(text, add_special_tokens=add_special))
+            return ids, engine.tokenizer.convert_ids_to_tokens(ids) if return_strs else None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ProtocolError("`prompt` (a string) or `messages` is required", param="prompt")
+        add_special = bool(get_bool(body, "add_special_tokens", True))
+
+        def run(engine: Any) -> tuple[list[int], list[str] | None]:
+            tok = _require_tokenizer(engine)
+            ids = list(tok.encode(prompt, add_special_tokens=add_special))
+            return ids, tok.convert_ids_to_tokens(ids) if return_strs else None
+
+    ids, strs = await _on_engine(state, run)
+    return web.json_response({"count": len(ids), "max_model_len": state.settings.max_model_len, "tokens": ids,
+                              "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+    state = request.app[STATE]
+    body = parse_json_body(await request.read())
+    check_model(body, state.settings)
+    if body.get("tokens") is None:
+        raise ProtocolError("`tokens` is required", param="tokens")
+    ids = token_ids(body["tokens"], "tokens", state.settings.vocab_size, allow_empty=True)
+    text = await _on_engine(state, lambda engine: _require_tokenizer(engine).decode(ids))
+    return web.json_response({"prompt": text})

@@ -1,0 +1,209 @@
+"""POST /v1/completions and /v1/chat/completions: validate, admit, tokenize on the engine thread,
+run, and answer as one JSON response or as an SSE stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from paxserve.outputs import CompletionOutput, RequestOutput
+from server import responses as R
+from server.errors import ProtocolError, from_value_error
+from server.generation import GenerationRun, ServerShutdown, engine_failure
+from server.prompts import PromptInput, render_prompts
+from server.protocol import GenerationSpec, parse_chat_request, parse_completion_request, parse_json_body
+from server.state import STATE, ServerState
+from server.streaming import send_done, send_error, send_event, start_stream
+
+logger = logging.getLogger("paxserve.server")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    spec = parse_completion_request(parse_json_body(await request.read()), state.settings)
+    return await serve_generation(request, state, spec, arrival)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    spec = parse_chat_request(parse_json_body(await request.read()), state.settings)
+    return await serve_generation(request, state, spec, arrival)
+
+
+async def _render(state: ServerState, spec: GenerationSpec) -> list[PromptInput]:
+    template = state.settings.chat_template
+    try:
+        return await state.async_engine.call(lambda engine: render_prompts(engine, spec, template))
+    except ProtocolError:
+        raise
+    except ValueError as e:
+        raise from_value_error(e, "messages" if spec.kind == "chat" else "prompt") from None
+    except Exception as e:  # noqa: BLE001 - the engine died, or something unexpected
+        raise engine_failure(state.async_engine, e) from None
+
+
+async def serve_generation(request: web.Request, state: ServerState, spec: GenerationSpec,
+                           arrival: float) -> web.StreamResponse:
+    state.check_serving()
+    state.admit(spec.num_seqs)
+    run: GenerationRun | None = None
+    try:
+        prompts = await _render(state, spec)
+        prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
+        run = GenerationRun(state.async_engine, state.metrics, prefix, prompts, spec.params, arrival)
+        if state.settings.log_requests:
+            logger.info("request %s: %s prompt tokens, %s", run.id, [len(p.token_ids) for p in prompts], spec.params)
+        state.runs.add(run)
+        run.start()
+        try:
+            first = await run.next()  # errors before the first output still get their own HTTP status
+        except ServerShutdown as e:
+            raise ProtocolError(str(e), status=503) from None
+        if spec.stream:
+            return await _stream(request, state, spec, run, first)
+        return await _collect(state, spec, run, first)
+    finally:
+        state.release(spec.num_seqs)
+        if run is not None:
+            run.close()
+            state.runs.discard(run)
+
+
+def _usage(run: GenerationRun, completion_tokens: int) -> dict[str, Any]:
+    return R.usage(sum(len(p.token_ids) for p in run.prompts), completion_tokens)
+
+
+# ---- one JSON response ------------------------------------------------------------------------
+
+async def _collect(state: ServerState, spec: GenerationSpec, run: GenerationRun,
+                   first: tuple[int, RequestOutput]) -> web.Response:
+    finals: list[RequestOutput | None] = [None] * len(run.prompts)
+    item = first
+    while True:
+        i, out = item
+        if out.finished:
+            finals[i] = out
+        if all(f is not None for f in finals):
+            break
+        try:
+            item = await run.next()
+        except ServerShutdown as e:
+            raise ProtocolError(str(e), status=503) from None
+    n = spec.params.n
+    choices = []
+    for i, out in enumerate(finals):
+        for o in out.outputs:
+            choices.append(_final_choice(spec, i * n + o.index, run.prompts[i], o))
+    choices.sort(key=lambda c: c["index"])
+    completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    model = state.settings.response_model(spec.model)
+    return web.json_response(R.response(spec.kind, run.id, run.created, model, choices,
+                                        _usage(run, completion_tokens)))
+
+
+def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: CompletionOutput) -> dict[str, Any]:
+    want_logprobs = spec.logprobs is not None and o.logprobs is not None
+    if spec.kind == "chat":
+        logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs) if want_logprobs else None
+        return R.chat_choice(index, o.text, logprobs, o.finish_reason, o.stop_reason)
+    logprobs = R.completion_logprobs(o.logprobs, o.token_ids, 0) if want_logprobs else None
+    text = (prompt.text or "") + o.text if spec.echo else o.text
+    return R.completion_choice(index, text, logprobs, o.finish_reason, o.stop_reason)
+
+
+# ---- an SSE stream ----------------------------------------------------------------------------
+
+class _StreamState:
+    """What each choice has been sent so far."""
+
+    def __init__(self, spec: GenerationSpec, run: GenerationRun) -> None:
+        num = len(run.prompts) * spec.params.n
+        self.logprobs_sent = [0] * num
+        self.text_sent = [0] * num
+        self.tokens = [0] * num
+        self.finished = [False] * num
+        self.echo_pending = [spec.echo] * num
+
+
+def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
+            out: RequestOutput) -> list[tuple[int, dict[str, Any]]]:
+    chunks = []
+    n = spec.params.n
+    for o in out.outputs:
+        idx = i * n + o.index
+        if st.finished[idx]:
+            continue
+        st.tokens[idx] = len(o.token_ids)
+        text = o.delta_text
+        if st.echo_pending[idx]:
+            text = (run.prompts[i].text or "") + text
+            st.echo_pending[idx] = False
+        logprobs = None
+        if spec.logprobs is not None and o.logprobs is not None and len(o.logprobs) > st.logprobs_sent[idx]:
+            start = st.logprobs_sent[idx]
+            entries, ids = o.logprobs[start:], o.token_ids[start:len(o.logprobs)]
+            st.logprobs_sent[idx] = len(o.logprobs)
+            if spec.kind == "chat":
+                logprobs = R.chat_logprobs(entries, ids, spec.logprobs)
+            else:
+                logprobs = R.completion_logprobs(entries, ids, st.text_sent[idx])
+        if not text and logprobs is None and o.finish_reason is None:
+            continue
+        st.text_sent[idx] += len(text)
+        st.finished[idx] = o.finish_reason is not None
+        if spec.kind == "chat":
+            choice = R.chat_chunk_choice(idx, {"content": text} if text else {}, logprobs, o.finish_reason,
+                                         o.stop_reason)
+        else:
+            choice = R.completion_choice(idx, text, logprobs, o.finish_reason, o.stop_reason)
+        chunks.append((idx, choice))
+    return chunks
+
+
+async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec, run: GenerationRun,
+                  first: tuple[int, RequestOutput]) -> web.StreamResponse:
+    model = state.settings.response_model(spec.model)
+    st = _StreamState(spec, run)
+    prompt_tokens = sum(len(p.token_ids) for p in run.prompts)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        return R.response(spec.kind, run.id, run.created, model, choices, usage, chunk=True,
+                          with_usage=spec.include_usage)
+
+    resp = await start_stream(request)
+    try:
+        if spec.kind == "chat":  # the first delta of each choice carries the role
+            for idx in range(len(st.finished)):
+                await send_event(resp, chunk([R.chat_chunk_choice(idx, {"role": "assistant", "content": ""},
+                                                                  None, None)]))
+        item = first
+        while True:
+            for _, choice in _chunks(spec, run, st, *item):
+                usage = R.usage(prompt_tokens, sum(st.tokens)) if spec.continuous_usage else None
+                await send_event(resp, chunk([choice], usage))
+            if all(st.finished):
+                break
+            item = await run.next()
+        if spec.include_usage:
+            await send_event(resp, chunk([], R.usage(prompt_tokens, sum(st.tokens))))
+        await send_done(resp)
+    except ConnectionError:  # the client went away mid-stream; run.close() aborts the request
+        logger.debug("client disconnected from %s", run.id)
+    except Exception as e:  # noqa: BLE001 - the 200 status line is already sent: report the error in-band
+        if isinstance(e, ServerShutdown):
+            err = ProtocolError(str(e), status=503)
+        elif isinstance(e, ProtocolError):
+            err = e
+        else:
+            logger.exception("error while streaming %s", run.id)
+            err = ProtocolError(f"Internal server error: {type(e).__name__}: {e}", status=500)
+        try:
+            await send_error(resp, err)
+        except ConnectionError:
+            pass
+    return resp

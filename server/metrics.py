@@ -1,0 +1,149 @@
+"""Prometheus metrics with vLLM's names and meanings under a `paxserve:` prefix.
+
+Request-level histograms are measured here, in the server, as outputs arrive: TTFT = first token -
+arrival, inter-token latency between successive token-bearing outputs, end-to-end latency at the
+finish. Engine state (running/waiting, KV-cache usage, prefix cache, preemptions, token totals) is
+read from `Engine.metrics()` on the engine thread at scrape time; its cumulative counts are exposed
+as counters. Each app owns its registry, so several apps in one process don't collide.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from paxserve.outputs import RequestOutput
+
+PREFIX = "paxserve:"
+FINISH_REASONS = ("stop", "length", "abort")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+# Engine.metrics() key -> (metric name, kind, help)
+_ENGINE_METRICS = {
+    "num_requests_running": ("num_requests_running", "gauge", "Number of requests in model execution batches."),
+    "num_requests_waiting": ("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    "prefix_cache_queries": ("prefix_cache_queries", "counter",
+                             "Prefix cache queries, in terms of number of queried tokens."),
+    "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    "num_preemptions": ("num_preemptions", "counter", "Cumulative number of preemptions from the engine."),
+    "prompt_tokens": ("prompt_tokens", "counter", "Number of prefill tokens processed."),
+    "generation_tokens": ("generation_tokens", "counter", "Number of generation tokens processed."),
+}
+
+
+def _1_2_5_buckets(limit: int) -> list[float]:
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > limit:
+                return out
+            out.append(float(value))
+        exponent += 1
+
+
+class _EngineCollector(Collector):
+    """Yields the last engine snapshot at scrape time (refreshed by the /metrics handler)."""
+
+    def __init__(self, model_name: str, info: dict[str, str]) -> None:
+        self.model_name = model_name
+        self.info = info
+        self.snapshot: dict[str, float] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        for key, (name, kind, doc) in _ENGINE_METRICS.items():
+            if key not in self.snapshot:
+                continue
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(self.snapshot[key]))
+            yield family
+        if self.info:
+            info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV-cache config.",
+                                     labels=sorted(self.info))
+            info.add_metric([self.info[k] for k in sorted(self.info)], 1.0)
+            yield info
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_model_len: int, engine_info: dict[str, str] | None = None) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.engine = _EngineCollector(model_name, engine_info or {})
+        registry.register(self.engine)
+        ProcessCollector(registry=registry)
+        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                                       ["model_name", "finished_reason"], registry=registry)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=registry).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.", labels, buckets=E2E_BUCKETS,
+                             registry=registry).labels(model_name)
+        token_buckets = _1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens",
+                                               "Number of prefill tokens processed.", labels, buckets=token_buckets,
+                                               registry=registry).labels(model_name)
+        self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+                                                   "Number of generation tokens processed.", labels,
+                                                   buckets=token_buckets, registry=registry).labels(model_name)
+
+    def update_engine(self, snapshot: dict[str, Any]) -> None:
+        self.engine.snapshot = dict(snapshot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, arrival: float) -> "RequestTracker":
+        return RequestTracker(self, arrival)
+
+
+class RequestTracker:
+    """Latency and outcome of one engine request (one prompt and its n samples)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished = False
+        self.num_seqs = 0
+
+    def on_output(self, out: RequestOutput, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.num_seqs = len(out.outputs)
+        if any(o.delta_token_ids for o in out.outputs):
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
+        if out.finished and not self.finished:
+            self.finished = True
+            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            for o in out.outputs:
+                self.metrics.request_generation_tokens.observe(len(o.token_ids))
+                self.metrics.request_success.labels(self.metrics.model_name, o.finish_reason or "abort").inc()
+
+    def on_abort(self, num_seqs: int) -> None:
+        """The request ended early (disconnect, shutdown): count its samples as aborted."""
+        if not self.finished:
+            self.finished = True
+            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(num_seqs)
