@@ -1,4 +1,7 @@
-"""`paxserve` command line. `generate` runs a one-off completion; `serve` arrives with the HTTP server."""
+"""`paxserve` command line: `serve` runs the OpenAI-compatible HTTP server, `generate` a one-off completion.
+
+Nothing here imports JAX or aiohttp at module level, so `paxserve --help` is instant.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +21,161 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def _human_int(text: str) -> int:
+    """vLLM's human-readable integers: 25600, 25.6k, 4g (decimal) or 1K, 4G, 4GiB (binary)."""
+    t = text.strip()
+    for unit in ("iB", "i", "B"):
+        if t.endswith(unit) and len(t) > len(unit) and t[-len(unit) - 1].isalpha():
+            binary = unit.startswith("i")
+            t = t[: -len(unit)]
+            break
+    else:
+        binary = False
+    if t and t[-1].lower() in _SUFFIXES:
+        base = 1024 ** ("kmgt".index(t[-1].lower()) + 1) if (binary or t[-1].isupper()) else _SUFFIXES[t[-1]]
+        try:
+            return int(float(t[:-1]) * base)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    try:
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (e.g. 4096, 4k, 4K, 8GiB)") from None
+
+
+def _model_len(text: str) -> int | str:
+    if text.strip().lower() in ("auto", "-1"):
+        return "auto"
+    value = _human_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {text!r}")
+    return value
+
+
+def _positive_human_int(text: str) -> int:
+    value = _human_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0 picks a free port), got {value}")
+    return value
+
+
+def _max_logprobs(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 20:
+        raise argparse.ArgumentTypeError(f"must be in [0, 20] (the engine returns at most 20), got {value}")
+    return value
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _dtype(text: str) -> str:
+    value = _DTYPE_ALIASES.get(text, text)
+    if value not in ("auto", "float32", "bfloat16", "float16"):
+        raise argparse.ArgumentTypeError(f"must be one of auto, half, float16, bfloat16, float, float32; got {text!r}")
+    return value
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (vLLM's flag names)",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics (Prometheus), /tokenize, /detokenize, /version. The flags "
+                    "have vLLM's names and defaults. SIGINT/SIGTERM stop accepting, abort in-flight requests "
+                    "and exit.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as a positional alternative to --model (vLLM's `serve MODEL`)")
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default=None,
+                     help="address to bind; default: all IPv4 interfaces (0.0.0.0)")
+    net.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 picks a free one (see the log)")
+    net.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model name(s) clients send as `model` and /v1/models lists; the first is the "
+                          "default. Default: the --model string, or SmolLM2-135M-Instruct for the bundled model")
+    net.add_argument("--api-key", default=None,
+                     help="require `Authorization: Bearer <key>` on /v1/* (/health, /metrics and the tokenizer "
+                          "endpoints stay open); also read from $PAXSERVE_API_KEY")
+    net.add_argument("--chat-template", default=None,
+                     help="a Jinja chat template (file path or the template itself) replacing the model's own")
+    net.add_argument("--max-logprobs", type=_max_logprobs, default=20,
+                     help="largest `logprobs` (completions) / `top_logprobs` (chat) a request may ask for; more "
+                          "is a 400")
+    net.add_argument("--max-num-queued-reqs", type=_non_negative_int, default=None,
+                     help="admission control: answer 429 (Retry-After: 1) when accepting a request would leave "
+                          "more than this many sequences waiting for a batch slot, i.e. when sequences in "
+                          "flight (prompts x n of accepted, unfinished requests) plus the new request's exceed "
+                          "--max-num-seqs + this. A request arriving at an idle server is always accepted. "
+                          "Default: no limit (requests queue in the engine)")
+    net.add_argument("--enable-log-requests", action="store_true", help="log every request's prompt sizes "
+                     "and sampling parameters")
+    net.add_argument("--disable-log-stats", action="store_true",
+                     help="do not log the periodic throughput / running / waiting / KV-cache stats line")
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                     help="logging verbosity on stderr")
+    eng = serve.add_argument_group("engine")
+    eng.add_argument("--model", default=None,
+                     help="Hugging Face checkpoint directory or .gguf file; default: the bundled "
+                          "SmolLM2-135M-Instruct")
+    eng.add_argument("--dtype", type=_dtype, default="auto",
+                     help="weights and activations: auto (the checkpoint's; float32 for GGUF), half/float16, "
+                          "bfloat16, float/float32")
+    eng.add_argument("--max-model-len", type=_model_len, default=None,
+                     help="longest prompt + output in tokens (e.g. 4096, 4k, 4K); 'auto' or -1 = the largest "
+                          "that fits in the KV cache; default: the model's context length")
+    eng.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                     help="fraction of accelerator memory for weights, activations and KV cache (ignored on "
+                          "CPU, which uses a 4 GiB KV budget)")
+    eng.add_argument("--kv-cache-memory-bytes", type=_positive_human_int, default=None,
+                     help="KV-cache size in bytes (e.g. 2GiB, 500M), instead of --gpu-memory-utilization")
+    eng.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None,
+                     help="number of KV-cache blocks, overriding the memory plan (testing and benchmarking)")
+    eng.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32], help="tokens per KV-cache block")
+    eng.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                     help="most sequences in one batch (running requests x n)")
+    eng.add_argument("--max-num-batched-tokens", type=_positive_human_int, default=None,
+                     help="token budget of one engine step (chunked prefill); default: max(2048, max-num-seqs)")
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the KV blocks of shared prompt prefixes")
+    eng.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                     help="devices to shard the model over (only 1 for now)")
+    eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                     help="compile the decode batch buckets at start-up (--no-warmup starts faster and compiles "
+                          "on first use)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paxserve", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="paxserve", description=DESCRIPTION,
+                                     epilog="Run `paxserve COMMAND --help` for a command's flags.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_parser(sub)
     gen = sub.add_parser(
         "generate",
         help="complete one prompt and print the text as it is produced",
@@ -81,6 +236,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    from server.serve import run_server  # aiohttp and JAX load only when serving
+
+    return run_server(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # paxserve never uses torch; transformers' import-time advice that it is missing only confuses.
@@ -92,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except ValueError as e:
         print(f"paxserve: error: {e}", file=sys.stderr)
         return 2

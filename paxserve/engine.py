@@ -115,6 +115,7 @@ class Engine:
         self._sample_owner: dict[str, _UserRequest] = {}
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
+        self.warmup_seconds = 0.0  # how long start-up compilation took (0 with warmup=False)
         if config.warmup:
             self._warmup()
 
@@ -397,5 +398,5 @@ class Engine:
             batch = self.runner.build(chunks)
             self.runner.execute(batch, build_sampling_inputs(rows, batch.context_lens.shape[0],
                                                              self.model_config.vocab_size))
-        logger.info("compiled %d decode buckets (batch sizes %s) in %.1fs", len(sizes), sizes,
-                    time.perf_counter() - start)
+        self.warmup_seconds = time.perf_counter() - start
+        logger.info("compiled %d decode buckets (batch sizes %s) in %.1fs", len(sizes), sizes, self.warmup_seconds)
