@@ -135,7 +135,8 @@ def token_ids(value: Any, name: str, vocab_size: int | None, allow_empty: bool =
         raise ProtocolError(f"`{name}` must not be empty", param=name)
     bad = [t for t in value if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
-        raise ProtocolError(f"`{name}` has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})", param=name)
+        limit = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "token ids >= 0"
+        raise ProtocolError(f"`{name}` has token ids {bad[:5]} outside {limit}", param=name)
     return value
 
 
@@ -185,8 +186,8 @@ def _stream_flags(body: dict, spec: GenerationSpec) -> None:
         spec.continuous_usage = bool(get_bool(options, "continuous_usage_stats", False))
 
 
-def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
-                     renames: dict[str, str]) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
+                     vocab_size: int | None) -> SamplingParams:
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", None)
     if best_of is not None and best_of != n:
@@ -197,7 +198,7 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
         raise _type_error("stop", stop, "a string or a list of strings")
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
-        stop_token_ids = token_ids(stop_token_ids, "stop_token_ids", None, allow_empty=True)
+        stop_token_ids = token_ids(stop_token_ids, "stop_token_ids", vocab_size, allow_empty=True)
     logit_bias = get_dict(body, "logit_bias")
     if logit_bias is not None:
         try:
@@ -207,6 +208,10 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
                 from None
         if any(not math.isfinite(v) for v in logit_bias.values()):
             raise ProtocolError("`logit_bias` values must be finite numbers in [-100, 100]", param="logit_bias")
+        bad = [t for t in logit_bias if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise ProtocolError(f"`logit_bias` has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                                param="logit_bias")
     top_k = get_int(body, "top_k", 0)
     try:
         return SamplingParams(
@@ -275,7 +280,7 @@ def parse_completion_request(body: dict, settings: ServerSettings) -> Generation
         raise ProtocolError("`echo` together with `logprobs` is not supported: paxserve does not compute prompt "
                             "logprobs", param="echo")
     max_tokens = get_int(body, "max_tokens", 16)
-    params = _sampling_params(body, max_tokens, logprobs, {})
+    params = _sampling_params(body, max_tokens, logprobs, {}, settings.vocab_size)
     spec = GenerationSpec("completion", model, params, prompts=prompts, echo=echo, logprobs=logprobs)
     _stream_flags(body, spec)
     return spec
@@ -336,7 +341,8 @@ def parse_chat_request(body: dict, settings: ServerSettings) -> GenerationSpec:
     logprobs = (top_logprobs or 0) if want_logprobs else None
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_int(body, max_name, None)
-    params = _sampling_params(body, max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_name})
+    params = _sampling_params(body, max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_name},
+                              settings.vocab_size)
     spec = GenerationSpec("chat", model, params, messages=messages, logprobs=logprobs)
     spec.add_generation_prompt = bool(get_bool(body, "add_generation_prompt", True))
     spec.continue_final_message = bool(get_bool(body, "continue_final_message", False))

@@ -109,8 +109,7 @@ async def _serve(async_engine: Any, settings: ServerSettings, host: str | None, 
     logger.info("Serving %s on %s (API at %s/v1)", settings.model_name, url, url)
     if settings.api_key:
         logger.info("API key required on /v1/* (Authorization: Bearer <key>)")
-    # The line scripts and tests wait for, on stdout as well as in the log.
-    print(f"paxserve listening on {url}", flush=True)
+    logger.info("paxserve listening on %s", url)  # the line scripts and tests wait for (stderr)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
