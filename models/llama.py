@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 from models.config import ModelConfig
 from models.layers import dense, gated_mlp, rms_norm
 from models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, paged_attention, write_kv_reference
+from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 
 
 @struct.dataclass
@@ -74,7 +74,7 @@ def forward(
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv_reference(k_cache, v_cache, index, k, v, metadata.slot_mapping)
-        attn = paged_attention(
+        attn = attention(
             q, k_cache, v_cache, index, metadata, sm_scale=cfg.head_dim**-0.5, backend=attention_backend
         )
         x = x + dense(attn.reshape(num_tokens, q_size), p.o_w, p.o_b)

@@ -4,11 +4,12 @@ from pallas_kernels.kv_cache import KVCache
 from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference, write_kv_reference
 from pallas_kernels.ragged_paged_attention import RaggedPagedAttentionConfig, ragged_paged_attention
+from pallas_kernels.paged_attention import PagedDecodeAttentionConfig, paged_decode_attention
 from pallas_kernels.dispatch import (  # noqa: I001 (after the kernels it dispatches to)
     ATTENTION_BACKEND_OPTIONS,
     REFERENCE,
     AttentionBackend,
-    paged_attention,
+    attention,
     resolve_attention_backend,
 )
 
@@ -19,8 +20,10 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVCache",
+    "PagedDecodeAttentionConfig",
     "RaggedPagedAttentionConfig",
-    "paged_attention",
+    "attention",
+    "paged_decode_attention",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "resolve_attention_backend",

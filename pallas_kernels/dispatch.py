@@ -48,7 +48,7 @@ class AttentionBackend:
 REFERENCE = AttentionBackend("reference")
 
 
-def paged_attention(
+def attention(
     q: Float[Array, "T H D"],
     k_cache: Float[Array, "L N P K D"],
     v_cache: Float[Array, "L N P K D"],

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.paged_attention  # noqa: F401 - the submodule must not shadow a package-level name
 from models import load_model
 from pallas_kernels import REFERENCE, AttentionBackend, resolve_attention_backend
 from paxserve import Engine, SamplingParams
