@@ -57,38 +57,56 @@ def ragged_paged_attention_reference(
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    num_seqs = metadata.num_seqs
     max_len = metadata.block_tables.shape[1] * block_size
+    qsl, context_lens = metadata.query_start_loc, metadata.context_lens
 
-    seq_ids = metadata.token_seq_ids(num_tokens)
-    valid = metadata.token_is_valid(num_tokens)
-    ends = metadata.query_start_loc[1:][seq_ids]
-    q_pos = metadata.context_lens[seq_ids] - (ends - jnp.arange(num_tokens, dtype=jnp.int32))
+    # Work items of `block_q` consecutive query tokens of one sequence, so a prompt chunk gathers its
+    # context once per item rather than once per token. Pure decode buckets (one token per sequence)
+    # get block_q = 1; the item count is a static upper bound, extra items do nothing.
+    block_q = min(64, 1 << max(0, (num_tokens // num_seqs).bit_length() - 1))
+    num_items = min(num_tokens, num_tokens // block_q + num_seqs)
+    q_lens = qsl[1:] - qsl[:-1]
+    items_per_seq = (q_lens + block_q - 1) // block_q
+    item_end = jnp.cumsum(items_per_seq)
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    item_seq = jnp.minimum(jnp.searchsorted(item_end, w, side="right"), num_seqs - 1).astype(jnp.int32)
+    item_block = w - (item_end[item_seq] - items_per_seq[item_seq])
+    item_real = w < item_end[-1]
     key_pos = jnp.arange(max_len, dtype=jnp.int32)
 
-    def one_token(args: tuple[Array, Array, Array, Array]) -> Array:
-        q_t, seq, pos, ok = args
+    def one_item(args: tuple[Array, Array, Array]) -> tuple[Array, Array]:
+        seq, qblock, real = args
+        tokens = qsl[seq] + qblock * block_q + jnp.arange(block_q, dtype=jnp.int32)
+        ok = real & (tokens < qsl[seq + 1])
+        ctx = context_lens[seq]
+        pos = ctx - (qsl[seq + 1] - tokens)
         blocks = metadata.block_tables[seq]
         k = k_cache[layer, blocks].reshape(max_len, num_kv_heads, head_dim)
         v = v_cache[layer, blocks].reshape(max_len, num_kv_heads, head_dim)
-        mask = (key_pos <= pos) & (key_pos < metadata.context_lens[seq]) & ok
+        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < ctx) & ok[:, None]
         if sliding_window is not None:
-            mask &= key_pos > pos - sliding_window
-        qg = q_t.reshape(num_kv_heads, group, head_dim)
-        scores = jnp.einsum("kgd,lkd->kgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
+            mask &= key_pos[None, :] > pos[:, None] - sliding_window
+        qg = q[jnp.clip(tokens, 0, num_tokens - 1)].reshape(block_q, num_kv_heads, group, head_dim)
+        scores = jnp.einsum("ckgd,lkd->ckgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        scores = jnp.where(mask, scores, -jnp.inf)
+        m = mask[:, None, None, :]
+        scores = jnp.where(m, scores, -jnp.inf)
         row_max = jnp.max(scores, axis=-1, keepdims=True)
         probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-        probs = jnp.where(mask, probs, 0.0)
+        probs = jnp.where(m, probs, 0.0)
         denom = jnp.sum(probs, axis=-1, keepdims=True)
         probs = probs / jnp.where(denom > 0, denom, 1.0)
-        v = jnp.where(mask[:, None, None], v, jnp.zeros((), v.dtype))
-        out = jnp.einsum("kgl,lkd->kgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return out.reshape(num_heads, head_dim).astype(q.dtype)
+        # Keys no row may see are zeroed so that garbage (even NaN) in unused pages cannot leak.
+        v = jnp.where(jnp.any(mask, axis=0)[:, None, None], v, jnp.zeros((), v.dtype))
+        out = jnp.einsum("ckgl,lkd->ckgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return out.reshape(block_q, num_heads, head_dim).astype(q.dtype), jnp.where(ok, tokens, num_tokens)
 
-    chunk = max(1, _GATHER_BUDGET // (max_len * num_kv_heads * head_dim))
-    xs = (q, seq_ids, q_pos, valid)
-    if num_tokens <= chunk:
-        return jax.vmap(one_token)(xs)
-    return jax.lax.map(one_token, xs, batch_size=chunk)
+    per_item = max_len * (2 * num_kv_heads * head_dim + block_q * num_heads)
+    batch = max(1, _GATHER_BUDGET // per_item)
+    xs = (item_seq, item_block, item_real)
+    outs, rows = jax.vmap(one_item)(xs) if num_items <= batch else jax.lax.map(one_item, xs, batch_size=batch)
+    # Each real token belongs to exactly one item; padding rows index past the end and are dropped.
+    out = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
+    return out.at[rows.reshape(-1)].set(outs.reshape(-1, num_heads, head_dim), mode="drop")
