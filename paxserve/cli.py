@@ -166,9 +166,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                      help="devices to shard the model over (only 1 for now)")
     eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    _add_attention_backend(eng)
     eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                      help="compile the decode batch buckets at start-up (--no-warmup starts faster and compiles "
                           "on first use)")
+
+
+def _add_attention_backend(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"],
+                        help="paged-attention implementation: auto = Pallas kernels on GPU, the XLA reference "
+                             "on CPU; pallas (interpret mode on CPU, slow: for testing); reference")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weight and activation dtype (default: auto = the checkpoint's; float32 for GGUF)")
     gen.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                      help="tokens per KV-cache block (default 16)")
+    _add_attention_backend(gen)
     gen.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="logging verbosity on stderr (default info)")
     return parser
@@ -206,6 +214,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("paxserve")
     engine = Engine(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+                    attention_backend=args.attention_backend,
                     max_num_seqs=1, warmup=False, log_stats_interval=0)
     if engine.tokenizer is None:
         raise ValueError(f"{engine.model.source} has no tokenizer, so text prompts cannot be encoded")

@@ -39,6 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, warmup=args.warmup,
+        attention_backend=args.attention_backend,
         **({"log_stats_interval": 0} if args.disable_log_stats else {}),
     )
 

@@ -36,3 +36,13 @@ def test_generate_rejects_bad_flags(argv: list[str], capsys) -> None:
         main(argv)
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_attention_backend_flag_is_validated(capsys) -> None:
+    from paxserve.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--attention-backend", "reference"])
+    assert args.attention_backend == "reference"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "cuda"])
+    assert "invalid choice" in capsys.readouterr().err
