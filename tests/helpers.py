@@ -52,3 +52,16 @@ def rel_error(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     abs_err = float(np.max(np.abs(ours - ref)))
     return abs_err, abs_err / float(np.max(np.abs(ref)))
+
+
+def lower_for_cuda(fn, *args) -> str:  # noqa: ANN001
+    """StableHLO text of `fn` lowered for CUDA on this GPU-less machine; raises on any lowering error.
+
+    Pallas' Triton lowering needs to know the target GPU; from JAX 0.11 it reads it from an abstract
+    mesh's device (earlier versions ignore it), so lower as if for the H200 the GPU checks run on.
+    """
+    import jax
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import tests.pallas_kernels.test_reference_attention as ref_tests
+from tests.helpers import lower_for_cuda
 from pallas_kernels.paged_attention import (
     PagedDecodeAttentionConfig,
     _launch_shape,
@@ -111,7 +112,7 @@ def abstract_args(num_seqs: int, width: int, block_size: int, num_kv_heads: int,
 
 def assert_lowers(*shape, **kwargs) -> None:  # noqa: ANN002
     fn = lambda q, k, v, layer, tables, lens: paged_decode_attention(q, k, v, layer, tables, lens, **kwargs)  # noqa: E731
-    text = jax.jit(fn).trace(*abstract_args(*shape)).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(fn, *abstract_args(*shape))
     assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the CUDA lowering"
 
 

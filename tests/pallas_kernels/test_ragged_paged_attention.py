@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import tests.pallas_kernels.test_reference_attention as ref_tests
+from tests.helpers import lower_for_cuda
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import (
@@ -210,11 +211,6 @@ def abstract_args(num_tokens: int, num_seqs: int, width: int, block_size: int, n
     q = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), dtype)
     cache = jax.ShapeDtypeStruct((num_layers, num_blocks, block_size, num_kv_heads, head_dim), dtype)
     return q, cache, cache, i32(), md
-
-
-def lower_for_cuda(fn, *args) -> str:  # noqa: ANN001
-    """StableHLO text of `fn` lowered for CUDA; raises on any lowering error."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def assert_lowers(num_tokens: int, num_seqs: int, width: int, block_size: int, num_kv_heads: int, group: int,
