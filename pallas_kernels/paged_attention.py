@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention import _MIN_DOT, _SQUEEZED, _is_pow2, _next_pow2, supports_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import _MIN_DOT, _SQUEEZED, _is_pow2, _next_pow2, validate_q_and_cache
 
 __all__ = ["PagedDecodeAttentionConfig", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -247,16 +247,7 @@ def paged_decode_attention(
       config: tuning knobs (split count, keys per step, warps, stages).
       interpret: run with the Pallas interpreter (CPU tests).
     """
-    if q.ndim != 3 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q must be [S, H, D] and k_cache/v_cache [L, N, P, K, D] alike; got {q.shape}, "
-                         f"{k_cache.shape}, {v_cache.shape}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if k_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head_dim of q ({q.shape[-1]}) and of the cache ({k_cache.shape[-1]}) differ")
-    reason = supports_ragged_paged_attention(q.shape[1], k_cache.shape[3], q.shape[2], k_cache.shape[2], q.dtype)
-    if reason:
-        raise ValueError(f"paged_decode_attention: {reason}")
+    validate_q_and_cache(q, k_cache, v_cache, "paged_decode_attention")
     if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
         raise ValueError(f"block_tables [S, B] and context_lens [S] must match q's S={q.shape[0]}; got "
                          f"{block_tables.shape}, {context_lens.shape}")

@@ -296,10 +296,11 @@ def supports_ragged_paged_attention(
     return None
 
 
-def _validate(q: Array, k_cache: Array, v_cache: Array, metadata: AttentionMetadata,
-              sliding_window: int | None, soft_cap: float | None) -> None:
+def validate_q_and_cache(q: Array, k_cache: Array, v_cache: Array, kernel: str) -> None:
+    """Checks shared by the kernels' entry points: q [rows, H, D], caches [L, N, P, K, D] alike, one
+    dtype, and shapes the kernels support."""
     if q.ndim != 3:
-        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {q.shape}")
+        raise ValueError(f"q must be [rows, num_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must both be [num_layers, num_blocks, block_size, num_kv_heads, "
                          f"head_dim], got {k_cache.shape} and {v_cache.shape}")
@@ -309,7 +310,12 @@ def _validate(q: Array, k_cache: Array, v_cache: Array, metadata: AttentionMetad
         raise ValueError(f"head_dim of q ({q.shape[-1]}) and of the cache ({k_cache.shape[-1]}) differ")
     reason = supports_ragged_paged_attention(q.shape[1], k_cache.shape[3], q.shape[2], k_cache.shape[2], q.dtype)
     if reason:
-        raise ValueError(f"ragged_paged_attention: {reason}")
+        raise ValueError(f"{kernel}: {reason}")
+
+
+def _validate(q: Array, k_cache: Array, v_cache: Array, metadata: AttentionMetadata,
+              sliding_window: int | None, soft_cap: float | None) -> None:
+    validate_q_and_cache(q, k_cache, v_cache, "ragged_paged_attention")
     s = metadata.context_lens.shape
     if len(s) != 1 or metadata.query_start_loc.shape != (s[0] + 1,) or metadata.block_tables.shape[:1] != s:
         raise ValueError(
