@@ -219,10 +219,6 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
