@@ -35,11 +35,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from paxserve.kv_cache_manager import KVCacheManager  # noqa: E402
 from paxserve.request import Request  # noqa: E402
 from paxserve.sampling_params import SamplingParams  # noqa: E402
 from paxserve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from workload import clip_lengths, lognormal_lengths  # noqa: E402
 
 VOCAB = 32000
 
@@ -66,21 +68,15 @@ def make_trace(num_requests: int, *, max_model_len: int, seed: int, request_rate
     def draw(mean: float, fixed: int | None) -> np.ndarray:
         if fixed is not None:
             return np.full(num_requests, fixed)
-        mu = math.log(mean) - sigma * sigma / 2  # lognormal mean = exp(mu + sigma^2 / 2)
-        return np.maximum(1, np.rint(rng.lognormal(mu, sigma, num_requests))).astype(int)
+        return lognormal_lengths(rng, num_requests, mean, sigma)  # the same draws as benchmarks/workload.py's
 
     inputs, outputs = draw(mean_input, input_len), draw(mean_output, output_len)
     if request_rate > 0:
         arrivals = np.cumsum(rng.exponential(1.0 / request_rate, num_requests))
     else:
         arrivals = np.zeros(num_requests)
-    room = max_model_len - prefix_len
-    trace = []
-    for a, i, o in zip(arrivals, inputs, outputs):
-        i = min(int(i), room - 1)
-        o = min(int(o), room - i)
-        trace.append(TraceRequest(float(a), i, o))
-    return trace
+    lengths = clip_lengths(inputs, outputs, max_model_len - prefix_len)
+    return [TraceRequest(float(a), i, o) for a, (i, o) in zip(arrivals, lengths)]
 
 
 @dataclass(slots=True)
