@@ -1,9 +1,12 @@
 """Reference (pure `jnp`, XLA) ragged paged attention and the KV-cache write by slot mapping.
 
-This is what CPU serving runs and what every Pallas kernel is tested against. It gathers each
-sequence's K/V through its block table (once per decode token, or once per block of up to 64 prompt
-tokens), so it is exact but materialises the gathered context; the work is batched so that memory
-stays bounded for long prompts.
+This is what CPU serving runs and what every Pallas kernel is tested against. The work is split
+into *work items*: one query block (one decode token, or up to 64 consecutive prompt tokens of one
+sequence) against one KV chunk (32 or 64 consecutive cache positions, whole pages) that the block
+can see. Only the chunks a block needs are enumerated, so a short sequence in a batch with a long
+one costs only its own context; a loop gathers a bounded group of items per iteration (small
+enough to stay in cache between the gather and the two products) and merges each item's partial
+softmax into its query block's running max, sum and output (flash-attention style).
 
 Cache layout: `k_cache`, `v_cache` are `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`
 and a step addresses one layer by index, so a `lax.scan` over layers updates the cache in place.
@@ -15,10 +18,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
 
-# Elements of gathered K per token chunk: bounds the reference's temporary memory (~64 MiB f32).
-_GATHER_BUDGET = 1 << 24
+# Cache positions gathered (as K and V) per loop iteration, over all its work items together:
+# 2048 x 3 KV heads x 64 dims x 2 x 4 bytes = 3 MiB for SmolLM2, which stays in cache.
+_KEYS_PER_ITERATION = 2048
+# KV chunk length in tokens for decode and for prompt blocks. Short chunks waste little past a
+# sequence's last token; prompt blocks take longer ones so each product is a reasonable matmul.
+_DECODE_CHUNK = 32
+_PREFILL_CHUNK = 64
 
 
 def write_kv_reference(
@@ -35,6 +43,26 @@ def write_kv_reference(
     k_cache = k_cache.at[layer, blocks, offsets].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, blocks, offsets].set(v.astype(v_cache.dtype))
     return k_cache, v_cache
+
+
+def _query_blocks(metadata: AttentionMetadata, num_tokens: int, block_q: int) -> tuple[Array, Array, Array]:
+    """Split each sequence's new tokens into blocks of `block_q`: per block its sequence [Q], its
+    flat token indices [Q, block_q] and which of them are real [Q, block_q]. The block count is a
+    static upper bound (each sequence wastes at most one partial block)."""
+    num_seqs = metadata.num_seqs
+    if block_q == 1:
+        t = jnp.arange(num_tokens, dtype=jnp.int32)
+        return metadata.token_seq_ids(num_tokens), t[:, None], metadata.token_is_valid(num_tokens)[:, None]
+    qsl = metadata.query_start_loc
+    num_blocks = min(num_tokens, num_tokens // block_q + num_seqs)
+    blocks_per_seq = (qsl[1:] - qsl[:-1] + block_q - 1) // block_q
+    block_end = jnp.cumsum(blocks_per_seq)
+    w = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(block_end, w, side="right"), num_seqs - 1).astype(jnp.int32)
+    first = qsl[seq] + (w - (block_end[seq] - blocks_per_seq[seq])) * block_q
+    tokens = first[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    ok = (w < block_end[-1])[:, None] & (tokens < qsl[seq + 1][:, None])
+    return seq, tokens, ok
 
 
 def ragged_paged_attention_reference(
@@ -58,67 +86,82 @@ def ragged_paged_attention_reference(
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    num_seqs = metadata.num_seqs
-    max_len = metadata.block_tables.shape[1] * block_size
-    qsl, context_lens = metadata.query_start_loc, metadata.context_lens
-    key_pos = jnp.arange(max_len, dtype=jnp.int32)
+    # Pure decode buckets (at most one token per sequence on average) take one token per block.
+    block_q = min(64, 1 << max(0, (num_tokens // metadata.num_seqs).bit_length() - 1))
+    qb_seq, qb_tokens, qb_ok = _query_blocks(metadata, num_tokens, block_q)
+    num_qb = qb_seq.shape[0]
+    pos = metadata.context_lens[qb_seq][:, None] - (metadata.query_start_loc[qb_seq + 1][:, None] - qb_tokens)
 
-    def attend(seq: Array, tokens: Array, ok: Array, q_rows: Array) -> Array:
-        """Query rows `q_rows` [..., H, D] at flat `tokens` [...] (all of sequence `seq`; `ok` marks
-        real ones) against the sequence's context. `...` is empty for one token, (C,) for a block."""
-        ctx = context_lens[seq]
-        pos = ctx - (qsl[seq + 1] - tokens)
-        blocks = metadata.block_tables[seq]
-        k = k_cache[layer, blocks].reshape(max_len, num_kv_heads, head_dim)
-        v = v_cache[layer, blocks].reshape(max_len, num_kv_heads, head_dim)
-        mask = (key_pos <= pos[..., None]) & (key_pos < ctx) & ok[..., None]
+    # KV chunks of whole pages; the block table is padded with the null block to whole chunks.
+    chunk_pages = max(1, (_DECODE_CHUNK if block_q == 1 else _PREFILL_CHUNK) // block_size)
+    chunk = chunk_pages * block_size
+    num_chunks = -(-metadata.block_tables.shape[1] // chunk_pages)
+    tables = metadata.block_tables
+    tables = jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_pages - tables.shape[1])), constant_values=NULL_BLOCK)
+
+    # Work items: query block b needs chunks first[b] .. last[b], enumerated block after block.
+    big = jnp.iinfo(jnp.int32).max
+    last = jnp.max(jnp.where(qb_ok, pos, 0), axis=1) // chunk
+    if sliding_window is None:
+        first = jnp.zeros_like(last)
+    else:
+        first = jnp.maximum(jnp.min(jnp.where(qb_ok, pos, big), axis=1) - sliding_window + 1, 0) // chunk
+    items_per_qb = jnp.where(jnp.any(qb_ok, axis=1), last - first + 1, 0)
+    item_end = jnp.cumsum(items_per_qb)
+    num_items = item_end[-1]
+    per_iter = max(1, min(_KEYS_PER_ITERATION // chunk, num_qb * num_chunks))
+
+    q_blocks = q.astype(jnp.float32)[jnp.clip(qb_tokens, 0, num_tokens - 1)]  # [Q, bq, H, D]
+    q_blocks = q_blocks.reshape(num_qb, block_q, num_kv_heads, group, head_dim)
+    span = jnp.arange(chunk, dtype=jnp.int32)
+
+    def merge(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        """Work items i * per_iter ... : partial softmax per item, merged into its query block's
+        running max M, sum L and unnormalised output A."""
+        run_max, run_sum, run_out = carry
+        w = i * per_iter + jnp.arange(per_iter, dtype=jnp.int32)
+        qb = jnp.minimum(jnp.searchsorted(item_end, w, side="right"), num_qb - 1).astype(jnp.int32)
+        c = first[qb] + w - (item_end[qb] - items_per_qb[qb])
+        cols = jnp.clip(c[:, None] * chunk_pages + jnp.arange(chunk_pages, dtype=jnp.int32), 0, tables.shape[1] - 1)
+        pages = tables[qb_seq[qb][:, None], cols]
+        k = k_cache[layer, pages].reshape(per_iter, chunk, num_kv_heads, head_dim)
+        v = v_cache[layer, pages].reshape(per_iter, chunk, num_kv_heads, head_dim)
+        key_pos = c[:, None] * chunk + span  # [I, chunk]
+        qpos = pos[qb]  # [I, bq]
+        mask = (key_pos[:, None, :] <= qpos[:, :, None]) & (qb_ok[qb] & (w < num_items)[:, None])[:, :, None]
         if sliding_window is not None:
-            mask &= key_pos > pos[..., None] - sliding_window
-        qg = q_rows.reshape(*tokens.shape, num_kv_heads, group, head_dim)
-        scores = jnp.einsum("...kgd,lkd->...kgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
+            mask &= key_pos[:, None, :] > qpos[:, :, None] - sliding_window
+        s = jnp.einsum("ibkgd,ilkd->ikbgl", q_blocks[qb], k.astype(jnp.float32),
+                       preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        m = mask[..., None, None, :]
-        scores = jnp.where(m, scores, -jnp.inf)
-        row_max = jnp.max(scores, axis=-1, keepdims=True)
-        probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-        probs = jnp.where(m, probs, 0.0)
-        denom = jnp.sum(probs, axis=-1, keepdims=True)
-        probs = probs / jnp.where(denom > 0, denom, 1.0)
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        m5 = mask[:, None, :, None, :]  # [I, 1, bq, 1, chunk]
+        s = jnp.where(m5, s, -jnp.inf)
+        m = jnp.max(s, axis=-1)
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(m5, jnp.exp(s - m_safe[..., None]), 0.0)
         # Keys no row may see are zeroed so that garbage (even NaN) in unused pages cannot leak.
-        seen = mask if mask.ndim == 1 else jnp.any(mask, axis=0)
-        v = jnp.where(seen[:, None, None], v, jnp.zeros((), v.dtype))
-        out = jnp.einsum("...kgl,lkd->...kgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return out.reshape(*tokens.shape, num_heads, head_dim).astype(q.dtype)
+        v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v.astype(jnp.float32), 0.0)
+        out = jnp.einsum("ikbgl,ilkd->ikbgd", p, v, preferred_element_type=jnp.float32)
+        # Merge: a block's items may repeat within an iteration, so its old state is rescaled with
+        # `set` (every duplicate writes the same value) before the items' shares are added.
+        new_max = run_max.at[qb].max(m)
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)[qb]
+        keep = jnp.where(jnp.isfinite(run_max[qb]), jnp.exp(run_max[qb] - safe_max), 0.0)
+        share = jnp.where(jnp.isfinite(m), jnp.exp(m - safe_max), 0.0)
+        run_sum = run_sum.at[qb].set(run_sum[qb] * keep).at[qb].add(jnp.sum(p, axis=-1) * share)
+        run_out = run_out.at[qb].set(run_out[qb] * keep[..., None]).at[qb].add(out * share[..., None])
+        return new_max, run_sum, run_out
 
-    def run(xs: tuple[Array, Array, Array, Array], count: int, per_item: int) -> Array:
-        """`attend` over the leading axis of `xs`, in batches that keep the gathers within budget."""
-        batch = max(1, _GATHER_BUDGET // per_item)
-        fn = lambda a: attend(*a)  # noqa: E731
-        return jax.vmap(fn)(xs) if count <= batch else jax.lax.map(fn, xs, batch_size=batch)
-
-    # Pure decode buckets (at most one token per sequence on average): one row per token, in place.
-    block_q = min(64, 1 << max(0, (num_tokens // num_seqs).bit_length() - 1))
+    state = (jnp.full((num_qb, num_kv_heads, block_q, group), -jnp.inf, jnp.float32),
+             jnp.zeros((num_qb, num_kv_heads, block_q, group), jnp.float32),
+             jnp.zeros((num_qb, num_kv_heads, block_q, group, head_dim), jnp.float32))
+    _, run_sum, run_out = jax.lax.fori_loop(0, (num_items + per_iter - 1) // per_iter, merge, state)
+    out = run_out / jnp.where(run_sum > 0, run_sum, 1.0)[..., None]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_qb, block_q, num_heads, head_dim).astype(q.dtype)
     if block_q == 1:
-        t = jnp.arange(num_tokens, dtype=jnp.int32)
-        xs = (metadata.token_seq_ids(num_tokens), t, metadata.token_is_valid(num_tokens), q)
-        return run(xs, num_tokens, max_len * (2 * num_kv_heads * head_dim + num_heads))
-
-    # Prompt chunks: work items of `block_q` consecutive tokens of one sequence gather the context
-    # once per item instead of once per token. The item count is a static upper bound.
-    num_items = min(num_tokens, num_tokens // block_q + num_seqs)
-    q_lens = qsl[1:] - qsl[:-1]
-    items_per_seq = (q_lens + block_q - 1) // block_q
-    item_end = jnp.cumsum(items_per_seq)
-    w = jnp.arange(num_items, dtype=jnp.int32)
-    item_seq = jnp.minimum(jnp.searchsorted(item_end, w, side="right"), num_seqs - 1).astype(jnp.int32)
-    item_tokens = qsl[item_seq] + (w - (item_end[item_seq] - items_per_seq[item_seq])) * block_q
-    item_tokens = item_tokens[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
-    item_ok = (w < item_end[-1])[:, None] & (item_tokens < qsl[item_seq + 1][:, None])
-    item_q = q[jnp.clip(item_tokens, 0, num_tokens - 1)]
-    outs = run((item_seq, item_tokens, item_ok, item_q), num_items,
-               max_len * (2 * num_kv_heads * head_dim + block_q * num_heads))
-    # Each real token belongs to exactly one item; padding rows index past the end and are dropped.
-    rows = jnp.where(item_ok, item_tokens, num_tokens).reshape(-1)
-    out = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
-    return out.at[rows].set(outs.reshape(-1, num_heads, head_dim), mode="drop")
+        return out.reshape(num_tokens, num_heads, head_dim)
+    # Each real token belongs to exactly one block; padding rows index past the end and are dropped.
+    rows = jnp.where(qb_ok, qb_tokens, num_tokens).reshape(-1)
+    result = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
+    return result.at[rows].set(out.reshape(-1, num_heads, head_dim), mode="drop")

@@ -322,24 +322,26 @@ def test_soft_cap() -> None:
     assert np.max(np.abs(out_capped[:n] - out_uncapped[:n])) > 1e-2, "soft_cap had no effect"
 
 
-def test_chunked_token_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Long batches are processed in token chunks (`lax.map`); a ragged last chunk must be right too."""
-    case = make_case("chunked", [Seq(5, 7), Seq(0, 1), Seq(9, 3)], block_size=8, num_kv_heads=2, group=2,
+@pytest.mark.parametrize("per_iteration", [1, 3, 64])
+@pytest.mark.parametrize("decode", [False, True])
+def test_work_items_split_across_loop_iterations(monkeypatch: pytest.MonkeyPatch, per_iteration: int,
+                                                 decode: bool) -> None:
+    """KV chunks of one page each and a few work items per loop iteration: a query block's chunks
+    straddle iterations and repeat within one, and the merged softmax must still be exact."""
+    seqs = [Seq(21, 1), Seq(0, 1), Seq(9, 1)] if decode else [Seq(5, 7), Seq(0, 1), Seq(9, 3), Seq(30, 2)]
+    case = make_case(f"split{per_iteration}{decode}", seqs, block_size=8, num_kv_heads=2, group=2,
                      pad_tokens=1, pad_seqs=1)
-    max_len = case.batch.block_tables.shape[1] * case.block_size
-    monkeypatch.setattr(ref_module, "_GATHER_BUDGET", 3 * max_len * case.num_kv_heads * case.head_dim)
+    monkeypatch.setattr(ref_module, "_DECODE_CHUNK", case.block_size)
+    monkeypatch.setattr(ref_module, "_PREFILL_CHUNK", case.block_size)
+    monkeypatch.setattr(ref_module, "_KEYS_PER_ITERATION", per_iteration * case.block_size)
     md = case.metadata()
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     k_cache, v_cache = write_kv_reference(
         jnp.asarray(case.k_cache), jnp.asarray(case.v_cache), LAYER, jnp.asarray(case.k_new),
         jnp.asarray(case.v_new), md.slot_mapping,
     )
-
-    def attend(q: jax.Array) -> jax.Array:
-        return ref_module.ragged_paged_attention_reference(q, k_cache, v_cache, LAYER, md, sm_scale=sm_scale)
-
-    assert "scan" in str(jax.make_jaxpr(attend)(jnp.asarray(case.q))), "the chunked path was not taken"
-    out = np.asarray(attend(jnp.asarray(case.q)))
+    out = np.asarray(ref_module.ragged_paged_attention_reference(
+        jnp.asarray(case.q), k_cache, v_cache, LAYER, md, sm_scale=sm_scale))
     ref = naive_attention(case, np.asarray(k_cache[LAYER]), np.asarray(v_cache[LAYER]), sm_scale=sm_scale)
     n = case.batch.num_tokens
     rel = float(np.max(np.abs(out[:n] - ref[:n])) / np.max(np.abs(ref[:n])))
