@@ -194,7 +194,7 @@ def test_markdown_table_rows() -> None:
 
 
 def test_plots_are_written_when_settings_vary(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (a test dependency: the plot must really be drawn)
     by_rate = [_report(r, 64, 0.1 * i) for i, r in enumerate((0.5, 1.0, 2.0, math.inf), 1)]
     by_conc = [_report(math.inf, c, 0.1 * i) for i, c in enumerate((1, 4, 16, 0), 1)]
     notes = serving.write_plots(by_rate + by_conc, tmp_path)
