@@ -41,6 +41,7 @@ from paxserve.kv_cache_manager import KVCacheManager  # noqa: E402
 from paxserve.request import Request  # noqa: E402
 from paxserve.sampling_params import SamplingParams  # noqa: E402
 from paxserve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from plotting import pyplot, save_figure  # noqa: E402
 from workload import clip_lengths, lognormal_lengths  # noqa: E402
 
 VOCAB = 32000
@@ -275,12 +276,8 @@ def prefix_table(off: SimResult, on: SimResult) -> str:
 
 def plot(main: SimResult, others: list[SimResult], path: Path) -> str | None:
     """KV slots over time (paged allocated, tokens, contiguous reserved, budget) and utilization."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     steps = [s.step for s in main.samples]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
@@ -304,11 +301,7 @@ def plot(main: SimResult, others: list[SimResult], path: Path) -> str | None:
     ax2.set_ylabel("slots holding tokens")
     ax2.set_xlabel("engine step")
     ax2.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from plotting import pyplot, save_figure  # noqa: E402
 from workload import describe_lengths, random_prompts, sharegpt_lengths  # noqa: E402
 
 
@@ -248,17 +249,6 @@ def markdown_table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def _pyplot():  # noqa: ANN202
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def _groups(reports: list[dict[str, Any]], key: str) -> dict[Any, list[dict[str, Any]]]:
     groups: dict[Any, list[dict[str, Any]]] = {}
     for r in reports:
@@ -269,7 +259,7 @@ def _groups(reports: list[dict[str, Any]], key: str) -> dict[Any, list[dict[str,
 def plot_latency_vs_rate(reports: list[dict[str, Any]], path: Path) -> str | None:
     """TTFT, TPOT and E2E p50/p90/p99 vs request rate (3 subplots, log2 x; `inf` drawn at twice the
     largest finite rate); one set of lines per concurrency. None without matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     finite = sorted({float(r["request_rate"]) for r in reports if r["request_rate"] != "inf"})
@@ -297,17 +287,13 @@ def plot_latency_vs_rate(reports: list[dict[str, Any]], path: Path) -> str | Non
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def plot_throughput_vs_concurrency(reports: list[dict[str, Any]], path: Path) -> str | None:
     """Output tokens/s and TTFT p50 vs concurrency (log2 x; no cap drawn at the number of prompts);
     one line per request rate. None without matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
 
@@ -334,11 +320,7 @@ def plot_throughput_vs_concurrency(reports: list[dict[str, Any]], path: Path) ->
         ax.grid(True, alpha=0.3)
         if len(groups) > 1:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def write_plots(reports: list[dict[str, Any]], plot_dir: Path) -> list[str]:

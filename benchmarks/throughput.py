@@ -49,6 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from plotting import pyplot, save_figure  # noqa: E402
 from workload import describe_lengths, length_summary, random_prompts, sharegpt_lengths  # noqa: E402
 
 BUNDLED_VOCAB = 49152
@@ -278,12 +279,8 @@ def concurrency_table(pax: dict[int, float], hf: dict[int, float], notes: dict[i
 
 def plot_concurrency(pax: dict[int, float], hf: dict[int, float], path: Path) -> str | None:
     """Output tokens/s vs max_num_seqs / batch size on a log2 x-axis; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, data, marker in (("paxserve (max_num_seqs)", pax, "o"), ("transformers (static batch size)", hf, "s")):
@@ -300,11 +297,7 @@ def plot_concurrency(pax: dict[int, float], hf: dict[int, float], path: Path) ->
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def _int_list(text: str) -> list[int]:

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("paxserve_bench_memory", ROOT / "benchmarks" / "memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_benchmark
 
 
-memory = _load()
+memory = load_benchmark("memory")
 MAX_LEN = 2048
 SLOTS = 16384  # 8 contiguous max_model_len sequences
 

@@ -5,7 +5,6 @@ paxserve): TTFT/ITL collection, several rates and concurrencies, JSON output, er
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import socket
@@ -17,19 +16,10 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("paxserve_bench_serving", ROOT / "benchmarks" / "serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_benchmark
 
 
-serving = _load()
+serving = load_benchmark("serving")
 Result = serving.Result
 
 FIRST_DELAY = 0.05  # the fake server's time to first chunk

@@ -3,7 +3,6 @@ whole run on a tiny random Llama (paxserve, max_num_seqs=1, a sweep, transformer
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,20 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import load_benchmark, make_tiny_llama
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("paxserve_bench_throughput", ROOT / "benchmarks" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = _load()
+throughput = load_benchmark("throughput")
 workload = sys.modules["workload"]  # benchmarks/workload.py, imported by the script
 
 
@@ -52,10 +41,7 @@ def test_sharegpt_lengths_are_long_tailed_with_sharegpt_means() -> None:
 
 
 def test_sharegpt_lengths_match_memory_benchmark_trace() -> None:
-    spec = importlib.util.spec_from_file_location("paxserve_bench_memory_t", ROOT / "benchmarks" / "memory.py")
-    memory = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = memory
-    spec.loader.exec_module(memory)
+    memory = load_benchmark("memory", "paxserve_bench_memory_t")
     trace = memory.make_trace(300, max_model_len=1024, seed=5)
     assert [(t.input_len, t.output_len) for t in trace] == workload.sharegpt_lengths(300, max_model_len=1024, seed=5)
 
