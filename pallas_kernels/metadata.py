@@ -39,3 +39,14 @@ class AttentionMetadata:
 
     def token_is_valid(self, num_tokens: int) -> Array:
         return jnp.arange(num_tokens, dtype=jnp.int32) < self.query_start_loc[-1]
+
+    def query_blocks(self, num_tokens: int, block_q: int) -> tuple[Array, Array, Array]:
+        """Each sequence's new tokens cut into blocks of `block_q` consecutive tokens: per block its
+        sequence and its index within that sequence, padded to a static count (each sequence wastes
+        at most one partial block; extra blocks map to the last sequence), and the real count."""
+        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        blocks = (q_lens + block_q - 1) // block_q
+        ends = jnp.cumsum(blocks).astype(jnp.int32)
+        w = jnp.arange(max(1, min(num_tokens, num_tokens // block_q + self.num_seqs)), dtype=jnp.int32)
+        seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), self.num_seqs - 1).astype(jnp.int32)
+        return seq, (w - (ends[seq] - blocks[seq])).astype(jnp.int32), ends[-1]

@@ -45,26 +45,6 @@ def write_kv_reference(
     return k_cache, v_cache
 
 
-def _query_blocks(metadata: AttentionMetadata, num_tokens: int, block_q: int) -> tuple[Array, Array, Array]:
-    """Split each sequence's new tokens into blocks of `block_q`: per block its sequence [Q], its
-    flat token indices [Q, block_q] and which of them are real [Q, block_q]. The block count is a
-    static upper bound (each sequence wastes at most one partial block)."""
-    num_seqs = metadata.num_seqs
-    if block_q == 1:
-        t = jnp.arange(num_tokens, dtype=jnp.int32)
-        return metadata.token_seq_ids(num_tokens), t[:, None], metadata.token_is_valid(num_tokens)[:, None]
-    qsl = metadata.query_start_loc
-    num_blocks = min(num_tokens, num_tokens // block_q + num_seqs)
-    blocks_per_seq = (qsl[1:] - qsl[:-1] + block_q - 1) // block_q
-    block_end = jnp.cumsum(blocks_per_seq)
-    w = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(block_end, w, side="right"), num_seqs - 1).astype(jnp.int32)
-    first = qsl[seq] + (w - (block_end[seq] - blocks_per_seq[seq])) * block_q
-    tokens = first[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
-    ok = (w < block_end[-1])[:, None] & (tokens < qsl[seq + 1][:, None])
-    return seq, tokens, ok
-
-
 def ragged_paged_attention_reference(
     q: Float[Array, "T H D"],
     k_cache: Float[Array, "L N P K D"],
@@ -88,8 +68,10 @@ def ragged_paged_attention_reference(
     group = num_heads // num_kv_heads
     # Pure decode buckets (at most one token per sequence on average) take one token per block.
     block_q = min(64, 1 << max(0, (num_tokens // metadata.num_seqs).bit_length() - 1))
-    qb_seq, qb_tokens, qb_ok = _query_blocks(metadata, num_tokens, block_q)
+    qb_seq, qb_index, num_real_qb = metadata.query_blocks(num_tokens, block_q)
     num_qb = qb_seq.shape[0]
+    qb_tokens = (metadata.query_start_loc[qb_seq] + qb_index * block_q)[:, None] + jnp.arange(block_q, dtype=jnp.int32)
+    qb_ok = (jnp.arange(num_qb, dtype=jnp.int32) < num_real_qb)[:, None] & (qb_tokens < metadata.query_start_loc[qb_seq + 1][:, None])
     pos = metadata.context_lens[qb_seq][:, None] - (metadata.query_start_loc[qb_seq + 1][:, None] - qb_tokens)
 
     # KV chunks of whole pages; the block table is padded with the null block to whole chunks.

@@ -199,17 +199,6 @@ def _kernel(
 # ---- wrapper -------------------------------------------------------------------------------------
 
 
-def _work_items(metadata: AttentionMetadata, block_q: int, max_items: int) -> tuple[Array, Array, Array]:
-    """(sequence, query block) of each work item, padded to `max_items`, and the real count."""
-    q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-    blocks = (q_lens + block_q - 1) // block_q
-    ends = jnp.cumsum(blocks).astype(jnp.int32)
-    w = jnp.arange(max_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), metadata.num_seqs - 1).astype(jnp.int32)
-    qblock = w - (ends[seq] - blocks[seq])
-    return seq, qblock.astype(jnp.int32), ends[-1]
-
-
 def _launch_shape(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   config: RaggedPagedAttentionConfig) -> tuple[int, int, int, int]:
     group = num_heads // num_kv_heads
@@ -231,8 +220,8 @@ def _ragged_paged_attention(
     group, group_pad, block_q, kv_tokens = _launch_shape(num_heads, num_kv_heads, head_dim, block_size, config)
     pages_per_step = kv_tokens // block_size
 
-    max_items = max(1, min(num_tokens, num_tokens // block_q + num_seqs))
-    item_seq, item_qblock, num_items = _work_items(metadata, block_q, max_items)
+    item_seq, item_qblock, num_items = metadata.query_blocks(num_tokens, block_q)
+    max_items = item_seq.shape[0]
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), num_items.astype(jnp.int32)])
     tables = metadata.block_tables.astype(jnp.int32)
     width = tables.shape[1]
