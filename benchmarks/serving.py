@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plotting import pyplot, save_figure  # noqa: E402
-from workload import describe_lengths, random_prompts, sharegpt_lengths  # noqa: E402
+from workload import check_fixed_lengths, describe_lengths, sharegpt_requests  # noqa: E402
 
 
 @dataclass
@@ -141,12 +141,11 @@ def make_requests(dataset: str, num_prompts: int, *, max_model_len: int, seed: i
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     if dataset == "sharegpt":
-        lengths = sharegpt_lengths(num_prompts, max_model_len=max_model_len, seed=seed)
-        return random_prompts([i for i, _ in lengths], vocab_size, seed + 1), [o for _, o in lengths]
+        prompts, _, output_lens = sharegpt_requests(num_prompts, max_model_len=max_model_len, seed=seed,
+                                                    vocab_size=vocab_size)
+        return prompts, output_lens
     if dataset == "fixed":  # the draws this script made before --dataset
-        if max_input_len + output_len > max_model_len:
-            raise ValueError(f"fixed dataset: --max-input-len {max_input_len} + --output-len {output_len} exceeds "
-                             f"--max-model-len {max_model_len}")
+        check_fixed_lengths(min_input_len, max_input_len, output_len, max_model_len)
         rng = random.Random(seed)
         prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(min_input_len, max_input_len))]
                    for _ in range(num_prompts)]

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plotting import pyplot, save_figure  # noqa: E402
-from workload import describe_lengths, length_summary, random_prompts, sharegpt_lengths  # noqa: E402
+from workload import check_fixed_lengths, describe_lengths, length_summary, sharegpt_requests  # noqa: E402
 
 BUNDLED_VOCAB = 49152
 
@@ -69,17 +69,11 @@ def make_workload(dataset: str, num_prompts: int, *, max_model_len: int, seed: i
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     if dataset == "sharegpt":
-        lengths = sharegpt_lengths(num_prompts, max_model_len=max_model_len, seed=seed)
-        input_lens = [i for i, _ in lengths]
-        output_lens = [o for _, o in lengths]
-        prompts = random_prompts(input_lens, vocab_size, seed + 1)
+        prompts, input_lens, output_lens = sharegpt_requests(num_prompts, max_model_len=max_model_len, seed=seed,
+                                                             vocab_size=vocab_size)
         what = f"ShareGPT-like lognormal lengths (means 160 / 340), clipped to max_model_len {max_model_len}"
     elif dataset == "fixed":
-        if not 1 <= min_input_len <= max_input_len or output_len < 1:
-            raise ValueError("fixed dataset: need 1 <= --min-input-len <= --max-input-len and --output-len >= 1")
-        if max_input_len + output_len > max_model_len:
-            raise ValueError(f"fixed dataset: --max-input-len {max_input_len} + --output-len {output_len} exceeds "
-                             f"--max-model-len {max_model_len}")
+        check_fixed_lengths(min_input_len, max_input_len, output_len, max_model_len)
         prompts = make_fixed_prompts(num_prompts, min_input_len, max_input_len, vocab_size, seed)
         input_lens = [len(p) for p in prompts]
         output_lens = [output_len] * num_prompts

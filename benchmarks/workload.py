@@ -55,6 +55,24 @@ def random_prompts(input_lens: list[int], vocab_size: int, seed: int, low: int =
     return [rng.integers(low, vocab_size, int(n)).tolist() for n in input_lens]
 
 
+def sharegpt_requests(n: int, *, max_model_len: int, seed: int,
+                      vocab_size: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """ShareGPT-like requests: random token-id prompts of `sharegpt_lengths` input lengths (drawn with
+    seed + 1), as (prompts, input lengths, output lengths)."""
+    lengths = sharegpt_lengths(n, max_model_len=max_model_len, seed=seed)
+    input_lens = [i for i, _ in lengths]
+    return random_prompts(input_lens, vocab_size, seed + 1), input_lens, [o for _, o in lengths]
+
+
+def check_fixed_lengths(min_input_len: int, max_input_len: int, output_len: int, max_model_len: int) -> None:
+    """The fixed dataset's flags must describe requests that fit max_model_len."""
+    if not 1 <= min_input_len <= max_input_len or output_len < 1:
+        raise ValueError("fixed dataset: need 1 <= --min-input-len <= --max-input-len and --output-len >= 1")
+    if max_input_len + output_len > max_model_len:
+        raise ValueError(f"fixed dataset: --max-input-len {max_input_len} + --output-len {output_len} exceeds "
+                         f"--max-model-len {max_model_len}")
+
+
 def length_summary(values: list[int]) -> dict[str, float]:
     a = np.asarray(values)
     return {"mean": float(a.mean()), "p50": float(np.median(a)), "p90": float(np.percentile(a, 90)),
