@@ -66,9 +66,4 @@ def test_main_prints_tables_and_writes_the_plot(tmp_path, capsys) -> None:
     assert rc == 0, out
     assert "| paged, block 16 |" in out and "| contiguous, 2048 slots per sequence |" in out
     assert "every block free at the end: True" in out
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "Plot skipped" in out
-    else:
-        assert (tmp_path / "memory_kv_usage.png").stat().st_size > 0
+    assert (tmp_path / "memory_kv_usage.png").stat().st_size > 0  # matplotlib is a test dependency

@@ -101,7 +101,6 @@ def test_report_tables_and_ratio_lines() -> None:
 
 
 def test_concurrency_plot_is_written(tmp_path: Path) -> None:
-    import matplotlib  # noqa: F401  (a test dependency: the plot must really be drawn)
     path = throughput.plot_concurrency({1: 50.0, 4: 150.0, 16: 280.0}, {4: 90.0, 16: 120.0}, tmp_path / "t.png")
     assert path == str(tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 0
 
@@ -131,9 +130,4 @@ def test_whole_run_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "paxserve / transformers output throughput: " in out
     assert "paxserve (max_num_seqs=256) / paxserve (max_num_seqs=1): " in out
     assert "| paxserve (max_num_seqs=1) | first 2 of 4 |" in out
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "Plot skipped" in out
-    else:
-        assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 0
+    assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 0  # matplotlib is a test dependency
