@@ -107,7 +107,7 @@ def test_concurrency_plot_is_written(tmp_path: Path) -> None:
 
 def test_whole_run_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Both engines on a tiny random Llama (vocab 256, no tokenizer: token-id prompts), per-request
-    output lengths, the max_num_seqs=1 subset, a sweep, the JSON and the plot (or its skip note)."""
+    output lengths, the max_num_seqs=1 subset, a sweep, the JSON and the plot."""
     model_dir = tmp_path / "tiny"
     make_tiny_llama(model_dir, seed=5, num_attention_heads=4, num_key_value_heads=2)
     out_json = tmp_path / "r.json"
