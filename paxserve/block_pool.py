@@ -7,24 +7,42 @@ and the free list's order (least recently freed first) is its eviction order.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 NULL_BLOCK_ID = 0
+# Versioned so that a change to the key layout can never match keys made by an older layout.
+_ROOT_DOMAIN = b"paxserve-kv-block-v1"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockHash:
-    """Identity of a full block: a hash chained over all earlier blocks, plus the block's own token
-    ids so that a lookup is confirmed against the tokens, not just the hash."""
+    """Identity of a full block: sha256 chained over the parent block's key and this block's token
+    ids (the first block also over the request's cache salt), plus the token ids themselves so a
+    lookup is confirmed against the tokens, not just the digest.
 
-    value: int
+    A cryptographic digest, not Python's `hash`: with a 64-bit hash a tenant can craft prompts whose
+    blocks collide with another tenant's and be served KV it never computed (CVE-2025-25183)."""
+
+    value: bytes
     token_ids: tuple[int, ...]
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    tokens = tuple(token_ids)
-    return BlockHash(hash((parent.value if parent else None, tokens)), tokens)
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
+    """The key of a full block. `cache_salt` only matters for the first block (parent None): every
+    later key chains over it, so requests with different salts never share any block."""
+    tokens = tuple(int(t) for t in token_ids)
+    digest = hashlib.sha256()
+    if parent is None:
+        salt = (cache_salt or "").encode("utf-8")
+        # Length-prefixed so that no salt/token split can be read two ways.
+        digest.update(_ROOT_DOMAIN + struct.pack("<?I", cache_salt is not None, len(salt)) + salt)
+    else:
+        digest.update(parent.value)
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return BlockHash(digest.digest(), tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -141,14 +159,22 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a block that now holds a full, known run of tokens."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a block that holds (or, in the step being scheduled, will hold) a full, known run
+        of tokens. Returns whether it was registered now."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # another block already holds the same tokens; this one stays private
+            return False  # another block already holds the same tokens; this one stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget a registration whose KV was never written (the step that would have written it failed)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():

@@ -39,6 +39,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.prefix_stats = PrefixCacheStats()
+        # Blocks registered in the prefix cache for the step being scheduled: their KV exists only
+        # once that step has run, so they are committed after it or rolled back if it fails.
+        self._uncommitted: list[KVCacheBlock] = []
 
     @property
     def usage(self) -> float:
@@ -54,7 +57,8 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids_slice(i * bs, (i + 1) * bs)))
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids_slice(i * bs, (i + 1) * bs),
+                                     request.cache_salt))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -93,12 +97,31 @@ class KVCacheManager:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
         if self.enable_caching:
             # Blocks that will be full once this step has run hold known tokens: register them now,
-            # so a request scheduled after this one (even in the same step) can share them.
+            # so a request scheduled after this one in the same step can share them (the step writes
+            # every token's KV before any attention reads it). Until commit() they are provisional:
+            # only requests of this same step can have hit them, and they share its fate.
             num_full = min(total, request.num_tokens) // self.block_size
             hashes = self._hashes(request, num_full * self.block_size)
             for i in range(num_full):
-                self.pool.cache_block(blocks[i], hashes[i])
+                if self.pool.cache_block(blocks[i], hashes[i]):
+                    self._uncommitted.append(blocks[i])
         return True
+
+    def commit(self) -> None:
+        """The scheduled step ran: the blocks it registered now hold their KV for good."""
+        self._uncommitted.clear()
+
+    def rollback(self) -> None:
+        """The scheduled step failed: forget the registrations whose KV it never wrote, so that no
+        later request is served a block of garbage."""
+        for block in self._uncommitted:
+            self.pool.uncache_block(block)
+        self._uncommitted.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the KV cache was recreated, or between benchmark runs)."""
+        self.pool.reset_prefix_cache()
+        self._uncommitted.clear()
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so those are evicted first."""

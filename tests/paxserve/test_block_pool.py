@@ -243,11 +243,11 @@ def test_caching_disabled_never_caches():
 def test_lookup_is_confirmed_by_token_ids():
     pool = BlockPool(3, enable_caching=True)
     (a,) = pool.get_new_blocks(1)
-    pool.cache_block(a, BlockHash(12345, (1, 2, 3, 4)))
-    assert pool.get_cached_block(BlockHash(12345, (1, 2, 3, 4))) is a
+    pool.cache_block(a, BlockHash(b"\x01" * 32, (1, 2, 3, 4)))
+    assert pool.get_cached_block(BlockHash(b"\x01" * 32, (1, 2, 3, 4))) is a
     # Same hash value, different tokens (a collision): no hit.
-    assert pool.get_cached_block(BlockHash(12345, (1, 2, 3, 5))) is None
-    assert pool.get_cached_block(BlockHash(54321, (1, 2, 3, 4))) is None
+    assert pool.get_cached_block(BlockHash(b"\x01" * 32, (1, 2, 3, 5))) is None
+    assert pool.get_cached_block(BlockHash(b"\x02" * 32, (1, 2, 3, 4))) is None
 
 
 def test_hash_block_is_chained():
