@@ -12,6 +12,7 @@ from pallas_kernels.dispatch import (  # noqa: I001 (after the kernels it dispat
     attention,
     resolve_attention_backend,
 )
+from pallas_kernels.self_check import self_check_attention
 
 __all__ = [
     "ATTENTION_BACKEND_OPTIONS",
@@ -27,5 +28,6 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "resolve_attention_backend",
+    "self_check_attention",
     "write_kv_reference",
 ]

@@ -2,12 +2,16 @@
 
 The choice is a static, hashable `AttentionBackend` that the model's jitted forward takes as a
 static argument (no globals, no environment variables). `resolve_attention_backend` turns the
-engine option ("auto", "pallas", "reference") into one, from the platform and the model's shapes.
+engine option ("auto", "pallas", "reference") into one, from the platform and the model's shapes;
+on a GPU it runs the kernel once against the reference first (`self_check.py`) and falls back to the
+reference if the kernel fails to compile or disagrees.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
@@ -20,6 +24,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     supports_ragged_paged_attention,
 )
+from pallas_kernels.self_check import self_check_attention
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +85,20 @@ def resolve_attention_backend(
     head_dim: int,
     block_size: int,
     dtype: jnp.dtype,
+    self_check: Callable[..., str | None] | None = self_check_attention,
 ) -> AttentionBackend:
     """The backend for an engine option on a platform (`jax.devices()[0].platform`).
 
-    "auto": Pallas on a GPU when the kernel supports the model's shapes, else the reference.
-    "pallas": the kernel, or a ValueError naming what it does not support; on a CPU it can only
-      run in interpret mode (slow, for tests), which is what it then does.
+    "auto": Pallas on a GPU when the kernel supports the model's shapes and passes its self-check,
+      else the reference.
+    "pallas": the kernel, or a ValueError naming what it does not support or why it failed its
+      self-check; on a CPU it can only run in interpret mode (slow, for tests), which is what it
+      then does.
     "reference": the XLA reference everywhere.
+
+    self_check: called once as `self_check(backend, num_heads=..., num_kv_heads=..., head_dim=...,
+      block_size=..., dtype=...)` when the Pallas kernel is chosen for a GPU (never for interpret
+      mode); returns None if the kernel works, else the reason it does not. None skips the check.
     """
     if option not in ATTENTION_BACKEND_OPTIONS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_OPTIONS)}, got {option!r}")
@@ -101,10 +113,31 @@ def resolve_attention_backend(
             logger.warning("attention: the Pallas kernel does not support this model (%s); using the XLA reference",
                            reason)
             return REFERENCE
-        return AttentionBackend("pallas")
-    if reason:
+    elif reason:
         raise ValueError(f"attention_backend='pallas' cannot serve this model: {reason}")
-    if not on_gpu:
+    elif not on_gpu:
         logger.warning("attention: Pallas on %s runs in interpret mode (slow; meant for tests)", platform)
         return AttentionBackend("pallas", interpret=True)
-    return AttentionBackend("pallas")
+    backend = AttentionBackend("pallas")
+    if self_check is None:
+        logger.info("attention: using the Pallas kernel on %s without a start-up self-check (none requested)",
+                    platform)
+        return backend
+    shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                  dtype=dtype)
+    start = time.perf_counter()
+    try:
+        failure = self_check(backend, **shapes)
+    except Exception as error:  # noqa: BLE001 - a check that raises has failed, it must not stop start-up
+        failure = f"the self-check raised {type(error).__name__}: {error}"
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    if failure is None:
+        logger.info("attention: the Pallas kernel passed its start-up self-check against the XLA reference "
+                    "in %.0f ms; using it", elapsed_ms)
+        return backend
+    if option == "pallas":
+        raise ValueError(f"attention_backend='pallas': the Pallas kernel failed its start-up self-check on "
+                         f"{platform} ({failure})")
+    logger.warning("attention: the Pallas kernel failed its start-up self-check on %s (%s); using the XLA "
+                   "reference instead", platform, failure)
+    return REFERENCE

@@ -1,0 +1,126 @@
+"""Start-up self-check of the attention backend (`pallas_kernels/self_check.py`) and the fallback to
+the XLA reference in `resolve_attention_backend` when the Pallas kernel fails it.
+
+On this CPU machine the Pallas kernel runs in interpret mode (which must pass); the non-interpret
+kernel cannot compile here, which is a real failing backend for the fallback; wrong numbers come
+from a monkeypatched kernel entry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels.dispatch as dispatch
+from pallas_kernels import REFERENCE, AttentionBackend, ragged_paged_attention_reference, resolve_attention_backend
+from pallas_kernels.self_check import self_check_attention
+
+PALLAS = AttentionBackend("pallas")
+PALLAS_INTERPRET = AttentionBackend("pallas", interpret=True)
+TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=jnp.float32)
+LOGGER = "pallas_kernels.dispatch"
+
+
+@pytest.mark.parametrize(
+    ("backend", "num_heads", "num_kv_heads", "head_dim", "block_size", "dtype"),
+    [
+        (PALLAS_INTERPRET, 4, 2, 16, 8, jnp.float32),  # GQA 2
+        (PALLAS_INTERPRET, 8, 1, 32, 16, jnp.bfloat16),  # GQA 8 (MQA)
+        (PALLAS_INTERPRET, 2, 2, 16, 32, jnp.float16),  # MHA
+        (REFERENCE, 6, 2, 16, 16, jnp.float32),  # GQA 3
+        (REFERENCE, 4, 1, 16, 8, jnp.bfloat16),
+    ],
+    ids=["interp-g2-bs8-f32", "interp-g8-bs16-bf16", "interp-g1-bs32-f16", "ref-g3-bs16-f32", "ref-g4-bs8-bf16"],
+)
+def test_self_check_passes(backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
+                           block_size: int, dtype: jnp.dtype) -> None:
+    assert self_check_attention(backend, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                block_size=block_size, dtype=dtype, seed=3) is None
+
+
+def test_kernel_that_cannot_compile_falls_back_or_raises(caplog: pytest.LogCaptureFixture) -> None:
+    """On this CPU machine platform "gpu" picks the non-interpret kernel, which cannot compile here."""
+    reason = self_check_attention(PALLAS, **TINY)
+    assert reason is not None and reason.startswith("compile/run failed: ")
+    assert "\n" not in reason and "0x" not in reason
+
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    assert resolve_attention_backend("auto", "gpu", **TINY) == REFERENCE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert reason in warnings[0] and "self-check" in warnings[0] and "XLA reference instead" in warnings[0]
+
+    with pytest.raises(ValueError, match="failed its start-up self-check") as info:
+        resolve_attention_backend("pallas", "cuda", **TINY)
+    assert reason in str(info.value) and "0x" not in str(info.value)
+
+
+def _scaled_reference(q, k_cache, v_cache, layer, metadata, *, sm_scale, sliding_window=None, soft_cap=None,
+                      **_):  # noqa: ANN001, ANN202
+    """A 'kernel' that is 1% off."""
+    out = ragged_paged_attention_reference(q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale,
+                                           sliding_window=sliding_window, soft_cap=soft_cap)
+    return out * 1.01
+
+
+def _nan_kernel(q, *_, **__):  # noqa: ANN001, ANN202
+    return jnp.full_like(q, jnp.nan)
+
+
+def test_wrong_numbers_are_a_mismatch(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(dispatch, "ragged_paged_attention", _scaled_reference)
+    reason = self_check_attention(PALLAS_INTERPRET, **TINY)
+    assert reason is not None and reason.startswith("mismatch: max relative error ") and "> tol 1e-05" in reason
+    # 1% off is within nothing for float32 but passes the 16-bit tolerance (2e-2).
+    assert self_check_attention(PALLAS_INTERPRET, **{**TINY, "dtype": jnp.bfloat16}) is None
+
+    monkeypatch.setattr(dispatch, "ragged_paged_attention", _nan_kernel)
+    reason = self_check_attention(PALLAS_INTERPRET, **TINY)
+    assert reason is not None and reason.startswith("mismatch: ") and "NaN or inf" in reason
+
+    # The default self-check on a GPU platform runs the (patched) kernel entry and falls back.
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    assert resolve_attention_backend("auto", "gpu", **TINY) == REFERENCE
+    assert any("NaN or inf" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_reasons_carry_no_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_, **__):  # noqa: ANN002, ANN003, ANN202
+        raise jax.errors.JaxRuntimeError(
+            "\nINTERNAL: cuLaunchKernel failed at 0x7f3a9c001000 (stream <Stream at 0xDEADBEEF>)\n  second line")
+
+    monkeypatch.setattr(dispatch, "ragged_paged_attention", broken)
+    reason = self_check_attention(PALLAS_INTERPRET, **TINY)
+    assert reason == ("compile/run failed: JaxRuntimeError: INTERNAL: cuLaunchKernel failed at <address> "
+                      "(stream <Stream at <address>>)")
+
+
+def test_resolve_runs_the_check_once_only_for_the_gpu_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    calls = []
+
+    def passing(backend: AttentionBackend, **shapes) -> None:  # noqa: ANN003
+        calls.append((backend, shapes))
+
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    for option in ("auto", "pallas"):
+        assert resolve_attention_backend(option, "gpu", **TINY, self_check=passing) == PALLAS
+    assert calls == [(PALLAS, TINY), (PALLAS, TINY)]
+    assert sum("passed its start-up self-check" in r.getMessage() for r in caplog.records) == 2
+    # Not for the reference, a CPU, interpret mode or shapes the kernel does not serve.
+    assert resolve_attention_backend("reference", "gpu", **TINY, self_check=passing) == REFERENCE
+    assert resolve_attention_backend("auto", "cpu", **TINY, self_check=passing) == REFERENCE
+    assert resolve_attention_backend("pallas", "cpu", **TINY, self_check=passing) == PALLAS_INTERPRET
+    assert resolve_attention_backend("auto", "gpu", **{**TINY, "head_dim": 80}, self_check=passing) == REFERENCE
+    assert len(calls) == 2
+    # None skips it; a check that raises counts as failed.
+    assert resolve_attention_backend("pallas", "gpu", **TINY, self_check=None) == PALLAS
+
+    def raising(backend: AttentionBackend, **shapes) -> None:  # noqa: ANN003
+        raise RuntimeError("boom")
+
+    assert resolve_attention_backend("auto", "gpu", **TINY, self_check=raising) == REFERENCE
+    with pytest.raises(ValueError, match="boom"):
+        resolve_attention_backend("pallas", "gpu", **TINY, self_check=raising)
