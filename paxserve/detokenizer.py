@@ -36,7 +36,9 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = params.skip_special_tokens
         self._stops = params.stop_strings
         self._include_stop = params.include_stop_str_in_output
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # As in vLLM, stop strings only count once more than min_tokens tokens have been generated.
+        self._min_tokens = params.min_tokens
+        self._num_output_tokens = 0
         # Only the prompt's tail is kept: token ids are the context window, then every output id.
         self._token_ids = self._prompt_context(list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]))
         # _token_ids[_prefix_offset:_read_offset] is already rendered; ids past _read_offset are not.
@@ -62,6 +64,11 @@ class IncrementalDetokenizer:
         return self._text
 
     @property
+    def emitted_text(self) -> str:
+        """All the text `get_delta()` has returned so far (the final text once finished)."""
+        return self._text[:self._num_emitted]
+
+    @property
     def finished(self) -> bool:
         return self._finished
 
@@ -76,6 +83,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("update() after the request finished (a stop string matched or finish() was called)")
         if self._tokenizer is None or not new_token_ids:
             return None
+        self._num_output_tokens += len(new_token_ids)
         self._token_ids.extend(new_token_ids)
         new_text = self._pending_text()
         if new_text.endswith(_REPLACEMENT):
@@ -119,7 +127,7 @@ class IncrementalDetokenizer:
         """Appends `new_text` when `commit` (or when a stop string in it ends the request)."""
         old_len = len(self._text)
         text = self._text + new_text
-        match = self._find_stop(text, old_len)
+        match = self._find_stop(text, old_len) if self._num_output_tokens > self._min_tokens else None
         if match is None:
             if commit:
                 self._text = text
@@ -148,11 +156,19 @@ class IncrementalDetokenizer:
         return None if best is None else (best[2], best[1])
 
     def _num_held_back(self) -> int:
-        """Length of the longest tail of the text that could still be the start of a stop string."""
-        if not self._stops or self._include_stop:
+        """Length of the longest tail of the text that could still be the start of a stop string.
+
+        Only prefix lengths whose last character equals the text's last character are tried, so
+        ordinary text costs a few `rfind`s per stop string rather than one comparison per length."""
+        if not self._stops or self._include_stop or not self._text:
             return 0
-        for size in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
-            tail = self._text[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return size
-        return 0
+        text, last, best = self._text, self._text[-1], 0
+        for stop in self._stops:
+            end = min(len(stop) - 1, len(text))
+            pos = stop.rfind(last, 0, end)
+            while pos + 1 > best:  # pos == -1 ends it
+                if text.endswith(stop[:pos + 1]):
+                    best = pos + 1
+                    break
+                pos = stop.rfind(last, 0, pos)
+        return best

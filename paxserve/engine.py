@@ -1,13 +1,18 @@
-"""The Engine: `schedule -> build batch -> run jitted step -> update requests -> emit outputs`."""
+"""The offline Engine: a thin facade over input processor -> engine core -> output processor.
+
+It builds the pieces (memory plan, weights, KV cache, compiled buckets) and drives them from the
+caller's thread: `generate`/`chat` for batches, `add_request`/`step`/`abort` for a custom loop.
+`AsyncEngine` drives the same pieces from its own threads for the server.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -17,40 +22,23 @@ from models.loader import cache_root, inspect_model, load_model
 from models.registry import get_architecture
 from paxserve.batch import SeqChunk, next_power_of_2
 from paxserve.config import EngineConfig
-from paxserve.detokenizer import IncrementalDetokenizer
+from paxserve.engine_core import EngineCore
+from paxserve.engine_io import EngineCoreRequest, EngineSnapshot
+from paxserve.input_processor import InputProcessor, Prompt
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.memory import plan_kv_cache
 from paxserve.model_runner import ModelRunner, measure_activation_bytes
-from paxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from paxserve.request import Request, RequestStatus
-from paxserve.sampling_metadata import SampledTokens, SamplingRow, build_sampling_inputs
-from paxserve.sampling_params import SamplingParams
+from paxserve.output_processor import OutputProcessor
+from paxserve.outputs import RequestOutput
+from paxserve.sampling_metadata import SamplingRow, build_sampling_inputs
+from paxserve.sampling_params import RequestOutputKind, SamplingParams
 from paxserve.scheduler import Scheduler, SchedulerConfig
 from paxserve.stats import StatsLogger
 from pallas_kernels import resolve_attention_backend
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-
-
-@dataclass(slots=True)
-class _UserRequest:
-    """A request as the user sees it: one prompt and its n samples."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    outputs: list[CompletionOutput]
-    want_logprobs: int | None
-    changed: bool = False
-    cached_tokens: int = field(default=0)
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+__all__ = ["Engine", "Prompt"]
 
 
 def _device_memory_bytes() -> int | None:
@@ -111,209 +99,58 @@ class Engine:
         self.runner = ModelRunner(self.model, self.plan.num_blocks, config.block_size, self.max_model_len,
                                   attention_backend=self.attention_backend)
         self.stats = StatsLogger(config.log_stats_interval)
-        self._requests: dict[str, _UserRequest] = {}
-        self._sample_owner: dict[str, _UserRequest] = {}
-        self._seed_rng = np.random.default_rng(config.seed)
+        self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
+                                              self.model_config.eos_token_ids, self.max_model_len, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.warmup_seconds = 0.0  # how long start-up compilation took (0 with warmup=False)
         if config.warmup:
             self._warmup()
 
-    # ---- requests ------------------------------------------------------------------------------
+    # ---- requests (the three pieces, driven from the caller's thread) --------------------------
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-            return prompt, ids
-        ids = list(prompt)
-        if any(not isinstance(t, (int, np.integer)) for t in ids):
-            raise ValueError("prompt: token id prompts must be lists of integers")
-        ids = [int(t) for t in ids]
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
-        return None, ids
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                    cache_salt: str | None = None) -> None:
+        """Queue a prompt (text, token ids, or vLLM's {"prompt" | "prompt_token_ids", "cache_salt"}
+        dict). Invalid input raises ValueError naming the field and changes nothing."""
+        request = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt)
+        self.add_processed_request(request)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
-        """Queue a prompt (text or token ids). Invalid input raises ValueError and changes nothing."""
-        params = params or SamplingParams()
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt: the prompt must contain at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{len(ids)} input tokens, which leaves no room for output. Please reduce the length of the prompt."
-            )
-        params.check_vocab(self.model_config.vocab_size)
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        samples, detoks = [], []
-        for i in range(params.n):
-            seed = self._sample_seed(params.seed, i, params.n)
-            samples.append(Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids=ids,
-                sampling_params=params, max_tokens=max_tokens, eos_token_ids=eos, seed=seed,
-                parent_id=request_id, sample_index=i,
-            ))
-            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params))
-        user = _UserRequest(request_id, text, ids, samples, detoks,
-                            [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
-                                              cumulative_logprob=0.0 if params.logprobs is not None else None)
-                             for i in range(params.n)],
-                            params.logprobs)
-        added = []
+    def add_processed_request(self, request: EngineCoreRequest) -> None:
+        self.output_processor.add_request(request)
         try:
-            for s in samples:
-                self.scheduler.add_request(s)
-                added.append(s)
+            self.core.add_request(request)
         except ValueError:
-            for s in added:
-                self.scheduler.abort(s.request_id)
+            self.output_processor.abort_request(request.request_id)
             raise
-        self._requests[request_id] = user
-        for s in samples:
-            self._sample_owner[s.request_id] = user
-
-    def _sample_seed(self, seed: int | None, index: int, n: int) -> int:
-        if seed is None:
-            return int(self._seed_rng.integers(0, 2**63))
-        if n == 1:
-            return seed
-        # Distinct, reproducible streams for the n samples of one seeded request.
-        return int(np.random.default_rng([seed, index]).integers(0, 2**63))
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its KV blocks are freed at once. Unknown ids are ignored."""
-        user = self._requests.pop(request_id, None)
-        if user is None:
-            return
-        for sample, out in zip(user.samples, user.outputs):
-            self._sample_owner.pop(sample.request_id, None)
-            if not sample.status.finished:
-                self.scheduler.abort(sample.request_id)
-                out.finish_reason = "abort"
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached prefixes (e.g. between benchmark runs over the same prompts)."""
-        self.kv.pool.reset_prefix_cache()
-
-    def metrics(self) -> dict[str, float]:
-        """Counters and gauges for monitoring (call on the engine's own thread)."""
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": self.kv.usage,
-            "prefix_cache_queries": self.kv.prefix_stats.queries,
-            "prefix_cache_hits": self.kv.prefix_stats.hits,
-            "num_preemptions": self.stats.preemptions,
-            "prompt_tokens": self.stats.prompt_tokens,
-            "generation_tokens": self.stats.generation_tokens,
-        }
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
-
-    # ---- the step ------------------------------------------------------------------------------
+        self.core.abort_request(request_id)
+        self.output_processor.abort_request(request_id)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs of requests that advanced or finished."""
-        out = self.scheduler.schedule()
-        for req in out.preempted:
-            logger.debug("preempted %s (recomputed later)", req.request_id)
-        if not out.scheduled:
-            return []
-        completes = [s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens for s in out.scheduled]
-        chunks = [
-            SeqChunk(s.request.token_ids_slice(s.request.num_computed_tokens,
-                                               s.request.num_computed_tokens + s.num_new_tokens),
-                     s.request.num_computed_tokens, self.kv.block_ids(s.request.request_id))
-            for s in out.scheduled
-        ]
-        batch = self.runner.build(chunks)
-        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
-                            s.request.seed, s.request.eos_token_ids) for s in out.scheduled]
-        sampled = self.runner.execute(batch, build_sampling_inputs(rows, batch.context_lens.shape[0],
-                                                                   self.model_config.vocab_size))
-        num_prompt_tokens = sum(s.num_new_tokens for s in out.scheduled
-                                if s.num_new_tokens > 1 or s.request.num_output_tokens == 0)
-        finished_now = {r.request_id for r in self.scheduler.update_from_output(out, sampled.token_ids)}
-        for row, (s, complete) in enumerate(zip(out.scheduled, completes)):
-            if complete:
-                self._record_token(s.request, row, sampled, s.request.request_id in finished_now)
-        self.stats.on_step(num_prompt_tokens, sum(completes), len(out.preempted))
-        self.stats.maybe_log(self)
-        return self._collect_outputs()
+        processed = self.output_processor.process(self.core.step())
+        self.core.finish_samples(processed.samples_to_finish)
+        for request_id in processed.requests_to_abort:
+            self.core.abort_request(request_id)
+        return processed.request_outputs
 
-    def _record_token(self, req: Request, row: int, sampled: SampledTokens, finished: bool) -> None:
-        user = self._sample_owner.get(req.request_id)
-        if user is None:
-            return
-        i = req.sample_index
-        out, detok = user.outputs[i], user.detokenizers[i]
-        token = req.output_token_ids[-1]
-        out.token_ids.append(token)
-        out.delta_token_ids.append(token)
-        if user.want_logprobs is not None and sampled.sampled_logprobs is not None:
-            out.logprobs.append(self._logprobs_entry(token, row, sampled, user.want_logprobs))
-            out.cumulative_logprob += float(sampled.sampled_logprobs[row])
-        # A token that ended the request as EOS or a stop token id is not part of the text (vLLM).
-        ended_by_token = finished and req.status == RequestStatus.FINISHED_STOPPED
-        stop = None if ended_by_token else detok.update([token])
-        if stop is not None:
-            if finished:  # the same token also hit max_tokens: the stop string wins, as in vLLM
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = stop
-        if req.status.finished:
-            detok.finish()
-            out.finish_reason = req.status.value
-            out.stop_reason = req.stop_reason
-        delta = detok.get_delta()
-        out.text += delta
-        out.delta_text += delta
-        user.changed = True
-        if req.num_cached_tokens:
-            user.cached_tokens = max(user.cached_tokens, req.num_cached_tokens)
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or len(self.output_processor) > 0
 
-    def _logprobs_entry(self, token: int, row: int, sampled: SampledTokens, k: int) -> dict[int, Logprob]:
-        top_ids = sampled.top_token_ids[row].tolist()
-        top_lps = sampled.top_logprobs[row].tolist()
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        entry = {token: Logprob(float(sampled.sampled_logprobs[row]),
-                                rank=top_ids.index(token) + 1 if token in top_ids else None, decoded_token=decode(token))}
-        for rank, (tid, lp) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1):
-            entry.setdefault(int(tid), Logprob(float(lp), rank=rank, decoded_token=decode(int(tid))))
-        return entry
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes (e.g. between benchmark runs over the same prompts)."""
+        self.kv.reset_prefix_cache()
 
-    def _collect_outputs(self) -> list[RequestOutput]:
-        results = []
-        for rid, user in list(self._requests.items()):
-            if not user.changed:
-                continue
-            user.changed = False
-            results.append(RequestOutput(
-                request_id=rid, prompt=user.prompt, prompt_token_ids=user.prompt_token_ids,
-                outputs=[CompletionOutput(
-                    index=o.index, text=o.text, token_ids=list(o.token_ids), cumulative_logprob=o.cumulative_logprob,
-                    logprobs=list(o.logprobs) if o.logprobs is not None else None, finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason, delta_text=o.delta_text, delta_token_ids=o.delta_token_ids,
-                ) for o in user.outputs],
-                finished=user.finished, num_cached_tokens=user.cached_tokens,
-            ))
-            for o in user.outputs:
-                o.delta_text, o.delta_token_ids = "", []
-            if user.finished:
-                del self._requests[rid]
-                for s in user.samples:
-                    self._sample_owner.pop(s.request_id, None)
-        return results
+    def snapshot(self) -> EngineSnapshot:
+        return self.core.snapshot()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for monitoring (call on the thread that runs the steps)."""
+        return self.core.snapshot().as_dict()
 
     # ---- offline API ---------------------------------------------------------------------------
 
@@ -324,7 +161,8 @@ class Engine:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); outputs come back in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -344,14 +182,12 @@ class Engine:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered by the chat template."""
-        if self.tokenizer is None or not (chat_template or self.tokenizer.chat_template):
-            raise ValueError("messages: this model has no chat template; pass chat_template=")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      chat_template=chat_template)
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+            text = self.input_processor.render_chat(conv, chat_template=chat_template,  # type: ignore[arg-type]
+                                                    add_generation_prompt=add_generation_prompt)
+            prompts.append(self.input_processor.tokenize(text, add_special_tokens=False, param="messages"))
         outs = self.generate(prompts, sampling_params, use_tqdm)
         for out in outs:
             out.prompt = self.tokenizer.decode(out.prompt_token_ids)
@@ -359,18 +195,20 @@ class Engine:
 
     def _run_batch(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        # Validate everything first, so a bad prompt anywhere in the list queues nothing.
+        requests = [self.input_processor.process(rid, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+                    for rid, prompt, p in zip(ids, prompts, params)]
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.add_request(rid, prompt, p)
+            for request in requests:
+                self.add_processed_request(request)
             results: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
             start, generated = time.perf_counter(), 0
             while self.has_unfinished_requests():
                 for out in self.step():
-                    generated += sum(len(o.delta_token_ids) for o in out.outputs)
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+                    results[out.request_id] = out  # final outputs only
+                    generated += out.num_output_tokens
+                    bar.update(1)
                 bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
             bar.close()
         except BaseException:

@@ -66,13 +66,39 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = attention_backend  # static argument of every jitted step
         self.max_blocks_per_seq = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
-        self.kv_cache = KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                      jnp.dtype(model.dtype))
+        self._num_blocks = num_blocks
+        self.kv_cache = self._new_kv_cache()
         self.buckets: set[tuple] = set()  # compiled step shapes, for the log and for tests
+
+    def _new_kv_cache(self) -> KVCache:
+        cfg = self.model.config
+        return KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                             jnp.dtype(self.model.dtype))
 
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    def kv_cache_intact(self) -> bool:
+        """Whether the cache still exists and holds a value: a step it was donated to may have
+        deleted it, or left it poisoned by an asynchronous runtime error."""
+        try:
+            leaves = jax.tree.leaves(self.kv_cache)
+            if any(leaf.is_deleted() for leaf in leaves):
+                return False
+            jax.block_until_ready(leaves)
+            return True
+        except Exception:  # noqa: BLE001 - any failure to produce the value means it is lost
+            return False
+
+    def reset_kv_cache(self) -> None:
+        """Replace a lost cache with a zeroed one of the same shape (its old contents are gone)."""
+        for leaf in jax.tree.leaves(self.kv_cache):
+            try:
+                leaf.delete()  # free device memory first, so old and new never coexist
+            except Exception:  # noqa: BLE001 - already deleted or never materialised
+                pass
+        self.kv_cache = self._new_kv_cache()
 
     def build(self, chunks: list[SeqChunk]) -> Batch:
         """Pad a batch to its bucket: powers of two in tokens, sequences and block-table width."""

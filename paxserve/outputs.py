@@ -14,8 +14,8 @@ class Logprob:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One of the n samples of a request. `text` and `token_ids` are cumulative; `delta_text` and
-    `delta_token_ids` are what this step added (for streaming)."""
+    """One of the n samples of a request. With `RequestOutputKind.DELTA` the text, token ids and
+    logprobs are what this output added; otherwise they are everything so far."""
 
     index: int
     text: str = ""
@@ -23,14 +23,24 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # Per generated token: {token_id: Logprob} for the sampled token and the top-k alternatives.
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def extend(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same sample (a reader that fell behind gets one merged delta)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
 
 
 @dataclass(slots=True)
@@ -41,3 +51,20 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when it finished with "error": what went wrong, safe to show a client
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    def merge_delta(self, later: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one."""
+        mine = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            if o.index in mine:
+                mine[o.index].extend(o)
+            else:
+                self.outputs.append(o)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.error = later.error or self.error

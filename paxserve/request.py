@@ -16,10 +16,15 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step that carried it failed; the engine went on with the others
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +41,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None  # the user's request id when this is one of n samples
     sample_index: int = 0
+    cache_salt: str | None = None  # mixed into its prefix-cache keys: only equal salts share blocks
+    # Its reader is behind (a slow client): not scheduled, and the first to give up its blocks.
+    paused: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling

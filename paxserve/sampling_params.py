@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 # Penalties outside these ranges are rejected, as vLLM and OpenAI do.
 PENALTY_RANGE = (-2.0, 2.0)
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what this step added: streaming without copying the whole answer every step
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
@@ -40,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -69,8 +79,6 @@ class SamplingParams:
             _fail("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             _fail("seed", self.seed, "must be an integer in [0, 2**63)")
-        if self.n > 1 and self.temperature == 0:
-            _fail("n", self.n, "n > 1 needs temperature > 0 (greedy samples would all be identical)")
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 if not isinstance(token, int) or token < 0:
@@ -83,6 +91,10 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             _fail("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
         self.stop_strings = tuple(stops)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            _fail("output_kind", self.output_kind, "must be a RequestOutputKind (0 cumulative, 1 delta, 2 final only)")
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,9 @@ first-come first-served while budget, sequence slots and blocks last. When a run
 cannot get a block, the newest running request is preempted: its blocks are freed (their hashes
 kept, so the prefix cache may give them back) and it goes to the front of the waiting queue, to be
 recomputed later. Nothing ever runs out of memory.
+
+A paused request (its client reads slower than it is generated) keeps its place but is not
+scheduled, and is the first to give up its blocks to a request that can run.
 """
 
 from __future__ import annotations
@@ -90,15 +93,36 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _newest_paused(self) -> Request | None:
+        return next((r for r in reversed(self.running) if r.paused), None)
+
+    def preempt_all(self) -> list[Request]:
+        """Send every running request back to the front of the waiting queue, in order, to be
+        recomputed (the KV cache was lost)."""
+        victims = list(self.running)
+        self.running.clear()
+        for request in reversed(victims):
+            self._preempt(request)
+        return victims
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.paused:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # newest first
+                # A paused request makes no progress, so it gives up its blocks first; otherwise
+                # the newest running one does.
+                victim = self._newest_paused() or self.running[-1]
+                index = self.running.index(victim)
+                del self.running[index]
+                if index < i:
+                    i -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -111,13 +135,23 @@ class Scheduler:
             break  # the request itself was preempted: nothing after it is running any more
 
         # Admitting new work in a step that had to preempt would only thrash.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        thrashing = bool(out.preempted)
+        while not thrashing and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            index = next((j for j, r in enumerate(self.waiting) if not r.paused), None)
+            if index is None:
+                break
+            request = self.waiting[index]
             hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
-                break
-            self.waiting.popleft()
+                victim = self._newest_paused()
+                if victim is None:
+                    break
+                self.running.remove(victim)  # its blocks are worth more to a request that can run
+                self._preempt(victim)
+                out.preempted.append(victim)
+                continue
+            del self.waiting[index]
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = num_hit
                 if self.kv.enable_caching:

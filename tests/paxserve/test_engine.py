@@ -13,6 +13,7 @@ from models.bundled import default_model_path
 from models.gguf_io import GGUFCheckpoint
 from models.tokenizer import tokenizer_from_gguf
 from paxserve import AsyncEngine, Engine, SamplingParams
+from paxserve.sampling_params import RequestOutputKind
 from paxserve.model_runner import _jitted_step
 from tests.helpers import make_tiny_llama
 
@@ -175,7 +176,7 @@ def test_chat_uses_the_template(engine: Engine) -> None:
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-5), "top_k"),
-    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(n=2, temperature=0.0), "n"),
+    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
     (dict(min_p=1.5), "min_p"), (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(logprobs=21), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
@@ -196,10 +197,16 @@ def test_bad_requests_fail_cleanly_and_leave_the_engine_serving(engine: Engine) 
     with pytest.raises(ValueError, match="logit_bias"):
         engine.generate([[5]], SamplingParams(logit_bias={VOCAB + 1: 1.0}), use_tqdm=False)
     assert_no_blocks_held(engine)
-    # max_tokens beyond the room left is clamped to it, as vLLM does.
-    out = engine.generate([[5] * 250], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
+    # max_tokens beyond the room left is an error naming both numbers, as in vLLM and OpenAI.
+    with pytest.raises(ValueError, match=r"'max_tokens' or 'max_completion_tokens' is too large: 100\. .* "
+                                         r"your request has 250 input tokens \(100 > 256 - 250\)"):
+        engine.generate([[5] * 250], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
+                        use_tqdm=False)
+    # max_tokens=None takes the room left.
+    out = engine.generate([[5] * 250], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    assert_no_blocks_held(engine)
 
 
 def test_abort_frees_blocks_at_once(engine: Engine) -> None:
@@ -230,16 +237,21 @@ def test_async_engine_streams_and_aborts_on_disconnect(engine: Engine) -> None:
         aeng = AsyncEngine(engine)
         try:
             deltas, final = [], None
-            async for out in aeng.generate("s1", PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8)):
-                deltas.append(out.outputs[0].delta_text)
-                final = out
+            delta = SamplingParams(temperature=0.0, max_tokens=8, output_kind=RequestOutputKind.DELTA)
+            async for out in aeng.generate("s1", PROMPTS[4], delta):
+                deltas.append(out.outputs[0].text)
+            async for out in aeng.generate("s1-again", PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8)):
+                final = out  # cumulative: the last output holds everything
             async for _ in aeng.generate("s2", PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=50,
                                                                         ignore_eos=True)):
                 break  # the client goes away after the first chunk
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 async for _ in aeng.generate("s3", [VOCAB + 5], None):
                     pass
-            await aeng.call(lambda e: None)  # the abort has been processed once this returns
+            for _ in range(200):  # the abort is a command: it lands before the loop's next step
+                if aeng.snapshot.num_requests_running == 0 and aeng.snapshot.kv_cache_usage == 0:
+                    break
+                await asyncio.sleep(0.01)
             return "".join(deltas), final.outputs[0].text
         finally:
             aeng.shutdown()

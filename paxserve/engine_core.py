@@ -1,0 +1,199 @@
+"""The engine core: scheduler + KV cache manager + model runner, one `step()` at a time.
+
+It takes requests that are already tokenized and validated (`EngineCoreRequest`) and gives back
+plain per-sample outputs (`SampleOutput`): new token ids, logprob rows, and the finish reasons the
+core itself decides (length, EOS, stop token ids, error). Text, stop strings and the user-facing
+`RequestOutput` belong to the output processor, so nothing request-specific but scheduling and the
+model step runs here; that keeps the step loop's thread free for the device.
+
+A step that raises fails only the requests it carried (finish reason "error"): the prefix-cache
+registrations it made are rolled back, and if the KV cache it was given (donated) is gone, a fresh
+one is made and every other running request is recomputed from its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from paxserve.batch import SeqChunk
+from paxserve.engine_io import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
+from paxserve.kv_cache_manager import KVCacheManager
+from paxserve.model_runner import ModelRunner
+from paxserve.request import Request, RequestStatus
+from paxserve.sampling_metadata import SampledTokens, SamplingRow, build_sampling_inputs
+from paxserve.scheduler import Scheduler, SchedulerOutput
+from paxserve.stats import StatsLogger
+
+logger = logging.getLogger(__name__)
+
+STEP_FAILED_MESSAGE = ("The engine step that was serving this request failed; the server is still running and "
+                       "the request can be retried.")
+
+
+class EngineCore:
+    """Not thread-safe: one thread (the step loop, or the offline `Engine`) calls everything."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, vocab_size: int,
+                 stats: StatsLogger) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.stats = stats
+        self._samples: dict[str, list[str]] = {}  # user request id -> ids of its unfinished samples
+        self.num_failed_steps = 0
+        self.num_kv_cache_resets = 0
+        self.last_num_scheduled = 0  # sequences the last step ran (0: nothing could run)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue all n samples of a request, or none of them (ValueError)."""
+        if request.request_id in self._samples:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        samples = [
+            Request(request_id=request.sample_id(i), prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params, max_tokens=request.max_tokens,
+                    eos_token_ids=request.eos_token_ids, seed=request.seeds[i], arrival_time=request.arrival_time,
+                    parent_id=request.request_id, sample_index=i, cache_salt=request.cache_salt)
+            for i in range(request.sampling_params.n)
+        ]
+        added: list[Request] = []
+        try:
+            for sample in samples:
+                self.scheduler.add_request(sample)
+                added.append(sample)
+        except ValueError:
+            for sample in added:
+                self.scheduler.abort(sample.request_id)
+            raise
+        self._samples[request.request_id] = [s.request_id for s in samples]
+
+    def abort_request(self, request_id: str) -> None:
+        """End every sample of the request now and free its blocks. Unknown ids are ignored."""
+        for sample_id in self._samples.pop(request_id, []):
+            self.scheduler.abort(sample_id)
+
+    def finish_samples(self, sample_ids: list[str]) -> None:
+        """Samples the output processor ended (a stop string): free their blocks now."""
+        for sample_id in sample_ids:
+            request = self.scheduler.requests.get(sample_id)
+            if request is not None:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                self._forget(request)
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Hold a request out of the batch while its reader catches up (or let it run again)."""
+        for sample_id in self._samples.get(request_id, []):
+            request = self.scheduler.requests.get(sample_id)
+            if request is not None:
+                request.paused = paused
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._samples)
+
+    def _forget(self, request: Request) -> None:
+        siblings = self._samples.get(request.parent_id or request.request_id)
+        if siblings is None:
+            return
+        if request.request_id in siblings:
+            siblings.remove(request.request_id)
+        if not siblings:
+            del self._samples[request.parent_id or request.request_id]
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[SampleOutput]:
+        """Schedule, run the model once, and report each sample that got a token or finished."""
+        out = self.scheduler.schedule()
+        self.last_num_scheduled = len(out.scheduled)
+        if not out.scheduled:
+            self.stats.on_step(0, 0, len(out.preempted))
+            return []
+        completes = [s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens for s in out.scheduled]
+        num_prompt_tokens = sum(s.num_new_tokens for s in out.scheduled
+                                if s.num_new_tokens > 1 or s.request.num_output_tokens == 0)
+        try:
+            sampled = self._execute(out)
+        except Exception as e:  # noqa: BLE001 - isolated: only this step's requests fail
+            return self._fail_step(out, e)
+        self.kv.commit()
+        finished_now = {r.request_id for r in self.scheduler.update_from_output(out, sampled.token_ids)}
+        outputs = []
+        for row, (s, complete) in enumerate(zip(out.scheduled, completes)):
+            if complete:
+                outputs.append(self._sample_output(s.request, row, sampled, s.request.request_id in finished_now))
+        self.stats.on_step(num_prompt_tokens, sum(completes), len(out.preempted))
+        self.stats.maybe_log(self)
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> SampledTokens:
+        chunks = [
+            SeqChunk(s.request.token_ids_slice(s.request.num_computed_tokens,
+                                               s.request.num_computed_tokens + s.num_new_tokens),
+                     s.request.num_computed_tokens, self.kv.block_ids(s.request.request_id))
+            for s in out.scheduled
+        ]
+        batch = self.runner.build(chunks)
+        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
+                            s.request.seed, s.request.eos_token_ids) for s in out.scheduled]
+        return self.runner.execute(batch, build_sampling_inputs(rows, batch.context_lens.shape[0], self.vocab_size))
+
+    def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool) -> SampleOutput:
+        logprobs = None
+        if request.sampling_params.logprobs is not None and sampled.sampled_logprobs is not None:
+            logprobs = SampledLogprobs(float(sampled.sampled_logprobs[row]), sampled.top_token_ids[row],
+                                       sampled.top_logprobs[row])
+        if finished:
+            self._forget(request)
+        return SampleOutput(
+            request.parent_id or request.request_id, request.sample_index, [request.output_token_ids[-1]], logprobs,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[SampleOutput]:
+        self.num_failed_steps += 1
+        failed = [s.request for s in out.scheduled]
+        logger.error("a model step failed: its %d sequences end with an error, every other request goes on "
+                     "(%s: %s)", len(failed), type(error).__name__, str(error).splitlines()[0][:300] if str(error)
+                     else "", exc_info=error)
+        self.kv.rollback()
+        outputs = []
+        for request in failed:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            self._forget(request)
+            outputs.append(SampleOutput(request.parent_id or request.request_id, request.sample_index, [],
+                                        finish_reason=RequestStatus.FINISHED_ERROR.value,
+                                        num_cached_tokens=request.num_cached_tokens, error=STEP_FAILED_MESSAGE))
+        num_preempted = 0
+        if not self.runner.kv_cache_intact():
+            # The step had been given the cache (donated) and took it down with it: every cached
+            # token is gone, so the survivors start over from their token ids.
+            self.runner.reset_kv_cache()
+            self.kv.reset_prefix_cache()
+            self.num_kv_cache_resets += 1
+            num_preempted = len(self.scheduler.preempt_all())
+            logger.warning("the failed step lost the KV cache: made a new one; %d running requests will be "
+                           "recomputed from their tokens", num_preempted)
+        self.stats.on_step(0, 0, len(out.preempted) + num_preempted)
+        return outputs
+
+    # ---- monitoring ----------------------------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        sched = self.scheduler
+        return EngineSnapshot(
+            num_requests_running=len(sched.running),
+            num_requests_waiting=len(sched.waiting),
+            num_requests_paused=sum(r.paused for r in sched.requests.values()),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_stats.queries,
+            prefix_cache_hits=self.kv.prefix_stats.hits,
+            num_preemptions=self.stats.preemptions,
+            prompt_tokens=self.stats.prompt_tokens,
+            generation_tokens=self.stats.generation_tokens,
+            num_failed_steps=self.num_failed_steps,
+            num_kv_cache_resets=self.num_kv_cache_resets,
+        )
+
