@@ -76,6 +76,20 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -106,8 +120,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API (vLLM's flag names)",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, "
                     "/v1/models, /health, /metrics (Prometheus), /tokenize, /detokenize, /version. The flags "
-                    "have vLLM's names and defaults. SIGINT/SIGTERM stop accepting, abort in-flight requests "
-                    "and exit.",
+                    "have vLLM's names and defaults. SIGINT/SIGTERM stop accepting, drain in-flight requests "
+                    "for --shutdown-timeout seconds, abort the rest and exit. If the engine dies, /health "
+                    "answers 503 and the process exits with status 1 within 5 s, for a supervisor to restart.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -133,6 +148,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                           "flight (prompts x n of accepted, unfinished requests) plus the new request's exceed "
                           "--max-num-seqs + this. A request arriving at an idle server is always accepted. "
                           "Default: no limit (requests queue in the engine)")
+    net.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept a `chat_template` sent in a request (it runs arbitrary Jinja on the server, "
+                          "sandboxed and time-limited); without this flag such requests get a 400")
+    net.add_argument("--max-stop-strings", type=_non_negative_int, default=32,
+                     help="most `stop` strings one request may send (each at most 1024 characters); more is a 400")
+    net.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=0,
+                     help="on SIGTERM/SIGINT, refuse new requests (503) and let in-flight ones finish for up to "
+                          "this many seconds before aborting them; 0 aborts them at once")
+    net.add_argument("--timeout-keep-alive", type=_seconds, default=5.0,
+                     help="seconds an idle keep-alive connection stays open")
+    net.add_argument("--http-header-timeout", type=_seconds, default=10.0,
+                     help="seconds a connection has to send a request's headers (slow or stalled clients are "
+                          "disconnected)")
+    net.add_argument("--http-body-timeout", type=_seconds, default=30.0,
+                     help="seconds a request's body has, once its headers are in, to arrive in full (else 408)")
     net.add_argument("--enable-log-requests", action="store_true", help="log every request's prompt sizes "
                      "and sampling parameters")
     net.add_argument("--disable-log-stats", action="store_true",
@@ -210,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _generate(args: argparse.Namespace) -> int:
     from paxserve.engine import Engine
-    from paxserve.sampling_params import SamplingParams
+    from paxserve.sampling_params import RequestOutputKind, SamplingParams
 
     log = logging.getLogger("paxserve")
     engine = Engine(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
@@ -222,10 +252,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         if not engine.tokenizer.chat_template:
             raise ValueError(f"{engine.model.source} has no chat template; drop --chat")
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                                    add_generation_prompt=True)
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens)
+        text = engine.input_processor.render_chat([{"role": "user", "content": args.prompt}])
+        prompt = engine.input_processor.tokenize(text, add_special_tokens=False)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens,
+                            output_kind=RequestOutputKind.DELTA)
     engine.add_request("cli", prompt, params)
     log.info("generating up to %d tokens (the first steps compile the model)", args.max_tokens)
     start = time.perf_counter()
@@ -234,9 +264,9 @@ def _generate(args: argparse.Namespace) -> int:
     while engine.has_unfinished_requests():
         for out in engine.step():
             first_token_at = first_token_at or time.perf_counter()
-            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.write(out.outputs[0].text)  # delta outputs: only the new text
             sys.stdout.flush()
-            num_tokens = len(out.outputs[0].token_ids)
+            num_tokens += len(out.outputs[0].token_ids)
     sys.stdout.write("\n")
     if first_token_at is not None:
         rate = (num_tokens - 1) / max(time.perf_counter() - first_token_at, 1e-9)

@@ -9,7 +9,7 @@ GET /metrics, POST /tokenize, POST /detokenize, GET /version.
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -20,11 +20,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import paxserve
-from server.errors import ProtocolError, error_middleware
+from server.errors import ProtocolError, error_middleware, from_value_error
 from server.handlers import chat_completions, completions
 from server.metrics import ServerMetrics
-from server.prompts import render_chat
-from server.protocol import check_model, get_bool, parse_json_body, parse_messages, token_ids
+from server.protocol import check_model, check_request_chat_template, get_bool, get_dict, parse_messages, token_ids
+from server.request_body import read_json
 from server.settings import ServerSettings
 from server.state import STATE, ServerState
 
@@ -71,10 +71,19 @@ async def _auth_middleware(request: web.Request, handler: Callable[[web.Request]
     if key and request.path.startswith("/v1"):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if scheme.lower() != "bearer" or not _same_secret(token.strip(), key):
             raise ProtocolError("Unauthorized: missing or invalid API key; send `Authorization: Bearer <key>`.",
                                 status=401)
     return await handler(request)
+
+
+def _same_secret(given: str, key: str) -> bool:
+    """Constant-time comparison that takes any header text: aiohttp hands non-ASCII header bytes
+    over as surrogate escapes, which `str.encode()` alone would refuse (a 400 instead of a 401)."""
+    def digest(text: str) -> bytes:
+        return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
+
+    return hmac.compare_digest(digest(given), digest(key))
 
 
 async def _abort_in_flight(app: web.Application) -> None:
@@ -117,20 +126,16 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    if not state.async_engine.is_alive:
-        raise ProtocolError(f"The engine loop has stopped: {state.async_engine.error!r}", status=503)
+    """200 while serving; 503 once the engine has died or the server is draining (load balancers
+    take it out of rotation). Never waits on the engine."""
+    request.app[STATE].check_serving()
     return web.Response(status=200)
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
+    """The snapshot the step loop published after its last step: a scrape never waits on the loop."""
     state = request.app[STATE]
-    if state.async_engine.is_alive:
-        try:
-            snapshot = await asyncio.wait_for(state.async_engine.call(lambda engine: engine.metrics()), timeout=10)
-            state.metrics.update_engine(snapshot)
-        except Exception:  # noqa: BLE001 - serve the last snapshot rather than fail the scrape
-            logger.warning("could not read engine metrics; serving the last snapshot", exc_info=True)
+    state.metrics.update_engine(state.async_engine.snapshot.as_dict())
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -140,52 +145,56 @@ async def version(request: web.Request) -> web.Response:
 
 # ---- tokenizer endpoints ----------------------------------------------------------------------
 
-async def _on_engine(state: ServerState, fn: Callable[[Any], Any]) -> Any:
+async def _on_worker(state: ServerState, fn: Callable[..., Any], *args: Any) -> Any:
+    """Tokenizer work runs on an input worker, never on the step loop."""
     state.check_serving()
     try:
-        return await state.async_engine.call(fn)
+        return await state.async_engine.run_input(fn, *args)
     except ProtocolError:
         raise
     except ValueError as e:
-        raise ProtocolError(str(e)) from None
+        raise from_value_error(e) from None
 
 
-def _require_tokenizer(engine: Any) -> Any:
-    if engine.tokenizer is None:
+def _require_tokenizer(inputs: Any) -> Any:
+    if inputs.tokenizer is None:
         raise ProtocolError("this model has no tokenizer")
-    return engine.tokenizer
+    return inputs.tokenizer
 
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
     state = request.app[STATE]
-    body = parse_json_body(await request.read())
+    body = await read_json(request, state)
     check_model(body, state.settings)
+    inputs = state.async_engine.input_processor
     return_strs = bool(get_bool(body, "return_token_strs", False))
     if body.get("messages") is not None:
         messages = parse_messages(body["messages"])
         add_generation_prompt = bool(get_bool(body, "add_generation_prompt", True))
         continue_final = bool(get_bool(body, "continue_final_message", False))
         add_special = bool(get_bool(body, "add_special_tokens", False))
-        template = body.get("chat_template") if isinstance(body.get("chat_template"), str) else None
+        template = check_request_chat_template(body, state.settings)
+        template_kwargs = get_dict(body, "chat_template_kwargs") or {}
 
-        def run(engine: Any) -> tuple[list[int], list[str] | None]:
-            text = render_chat(engine, messages, template or state.settings.chat_template,
-                               add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
-            ids = list(engine.tokenizer.encode(text, add_special_tokens=add_special))
-            return ids, engine.tokenizer.convert_ids_to_tokens(ids) if return_strs else None
+        def run() -> tuple[list[int], list[str] | None]:
+            text = inputs.render_chat(messages, chat_template=template or state.settings.chat_template,
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final, template_kwargs=template_kwargs)
+            ids = inputs.tokenize(text, add_special_tokens=add_special, param="messages")
+            return ids, inputs.tokenizer.convert_ids_to_tokens(ids) if return_strs else None
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ProtocolError("`prompt` (a string) or `messages` is required", param="prompt")
         add_special = bool(get_bool(body, "add_special_tokens", True))
 
-        def run(engine: Any) -> tuple[list[int], list[str] | None]:
-            tok = _require_tokenizer(engine)
-            ids = list(tok.encode(prompt, add_special_tokens=add_special))
+        def run() -> tuple[list[int], list[str] | None]:
+            tok = _require_tokenizer(inputs)
+            ids = inputs.tokenize(prompt, add_special_tokens=add_special)
             return ids, tok.convert_ids_to_tokens(ids) if return_strs else None
 
-    ids, strs = await _on_engine(state, run)
+    ids, strs = await _on_worker(state, run)
     return web.json_response({"count": len(ids), "max_model_len": state.settings.max_model_len, "tokens": ids,
                               "token_strs": strs})
 
@@ -193,10 +202,11 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
     state = request.app[STATE]
-    body = parse_json_body(await request.read())
+    body = await read_json(request, state)
     check_model(body, state.settings)
     if body.get("tokens") is None:
         raise ProtocolError("`tokens` is required", param="tokens")
     ids = token_ids(body["tokens"], "tokens", state.settings.vocab_size, allow_empty=True)
-    text = await _on_engine(state, lambda engine: _require_tokenizer(engine).decode(ids))
+    inputs = state.async_engine.input_processor
+    text = await _on_worker(state, lambda: _require_tokenizer(inputs).decode(ids))
     return web.json_response({"prompt": text})

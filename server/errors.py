@@ -32,6 +32,21 @@ ERROR_TYPES = {
 }
 
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+# What must never reach a client: memory addresses (`<Future at 0x7f...>`), file paths, tracebacks.
+_ADDRESS = re.compile(r"\s*(?:at )?0x[0-9a-fA-F]{4,}")
+_PATH = re.compile(r"/(?:home|usr|tmp|opt|root|var|etc|lib|lib64|srv|mnt|proc|work|Users|private|nix)(?:/[\w.@+-]+)+"
+                   r"|[A-Za-z]:\\[\w.@+\\ -]+")
+MAX_MESSAGE_CHARS = 2000
+
+
+def sanitize(message: str) -> str:
+    """A message safe to show a client: the first lines before any traceback, without memory
+    addresses or file paths, cut to a sane length."""
+    message = message.split("Traceback (most recent call last)")[0]
+    message = _ADDRESS.sub("", message)
+    message = _PATH.sub("<path>", message)
+    message = message.strip() or "error"
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "..."
 
 
 class ProtocolError(Exception):
@@ -39,6 +54,7 @@ class ProtocolError(Exception):
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, type: str | None = None,
                  code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = sanitize(message)
         super().__init__(message)
         self.message = message
         self.param = param
@@ -60,8 +76,11 @@ def error_response(err: ProtocolError) -> web.Response:
 
 
 def from_value_error(e: ValueError, default_param: str | None = None) -> ProtocolError:
-    """Map a ValueError from SamplingParams or Engine.add_request to a 400 naming the field."""
+    """Map a ValueError from SamplingParams or the input processor to a 400 naming the field."""
     message = str(e)
+    param = getattr(e, "param", None)  # paxserve.input_processor.RequestError names its field
+    if param is not None:
+        return ProtocolError(message, param=param)
     match = _SAMPLING_FIELD.search(message)
     if match:
         return ProtocolError(message, param=match.group(1))
@@ -98,6 +117,11 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         return error_response(from_http_exception(e, request))
     except ValueError as e:
         return error_response(from_value_error(e))
-    except Exception as e:  # noqa: BLE001 - the server stays up; the client gets a 500 envelope
+    except Exception:  # noqa: BLE001 - the server stays up; the client gets a 500 envelope
         logger.exception("unexpected error while serving %s %s", request.method, request.path)
-        return error_response(ProtocolError(f"Internal server error: {type(e).__name__}: {e}", status=500))
+        return error_response(internal_error())
+
+
+def internal_error() -> ProtocolError:
+    """A 500 that says nothing about the server's insides (the log has the traceback)."""
+    return ProtocolError("Internal server error; the server is still running (details are in its log).", status=500)

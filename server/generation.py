@@ -1,24 +1,27 @@
-"""One HTTP generation request as engine requests: fan-out over prompts, one merged output queue,
-abort on every early exit.
+"""One HTTP generation request as engine requests: fan-out over prompts, one merged, bounded output
+queue, abort on every early exit.
 
 A completions request with k prompts becomes k engine requests (the engine handles n per request);
-choice index = prompt_index * n + sample_index. Each engine request is pumped by a task from
-`AsyncEngine.generate` into one asyncio queue. Closing the run (the handler returned, raised, or was
-cancelled because the client went away) cancels the pumps and aborts every engine request that has
-not finished; the abort is queued to the engine thread at once and takes effect before its next step.
+choice index = prompt_index * n + sample_index. Each engine request streams deltas from
+`AsyncEngine.generate` through a pump task into one queue of at most k items, so a handler that
+stops reading (a slow client) stops the pumps, and the engine pauses the request rather than
+buffering. Closing the run (the handler returned, raised, or was cancelled because the client went
+away) cancels the pumps, which abort their engine requests; nothing awaits, so it is safe anywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from paxserve.outputs import RequestOutput
-from paxserve.sampling_params import SamplingParams
-from server.errors import ProtocolError, from_value_error
+from paxserve.sampling_params import RequestOutputKind, SamplingParams
+from server.errors import ProtocolError, from_value_error, internal_error
 from server.metrics import RequestTracker, ServerMetrics
 from server.prompts import PromptInput
 
@@ -31,19 +34,23 @@ class ServerShutdown(Exception):
 
 def engine_failure(async_engine: Any, e: BaseException) -> ProtocolError:
     if not async_engine.is_alive:
-        return ProtocolError(f"The engine has stopped and cannot serve requests: {async_engine.error!r}", status=503)
-    return ProtocolError(f"Internal server error: {type(e).__name__}: {e}", status=500)
+        return ProtocolError("The engine has stopped and cannot serve requests; the server is exiting so that its "
+                             "supervisor can restart it.", status=503)
+    logger.error("a request failed in the engine", exc_info=e)
+    return internal_error()
 
 
 class GenerationRun:
     def __init__(self, async_engine: Any, metrics: ServerMetrics, prefix: str, prompts: list[PromptInput],
-                 params: SamplingParams, arrival: float) -> None:
+                 params: SamplingParams, arrival: float, cache_salt: str | None = None) -> None:
         self.async_engine = async_engine
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompts = prompts
-        self.params = params
+        self.params = replace(params, output_kind=RequestOutputKind.DELTA)
+        self.arrival = arrival
+        self.cache_salt = cache_salt
         self.created = int(time.time())
-        self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue(maxsize=len(prompts))
         self.engine_ids = [f"{self.id}-{i}" for i in range(len(prompts))]
         self.trackers: list[RequestTracker] = [metrics.tracker(arrival) for _ in prompts]
         self.finished = [False] * len(prompts)
@@ -54,16 +61,19 @@ class GenerationRun:
         self._tasks = [asyncio.create_task(self._pump(i), name=f"pump {rid}") for i, rid in enumerate(self.engine_ids)]
 
     async def _pump(self, i: int) -> None:
+        stream = self.async_engine.generate(self.engine_ids[i], self.prompts[i].token_ids, self.params,
+                                            cache_salt=self.cache_salt, arrival_time=self.arrival)
         try:
-            async for out in self.async_engine.generate(self.engine_ids[i], self.prompts[i].token_ids, self.params):
-                self.trackers[i].on_output(out)
-                if out.finished:
-                    self.finished[i] = True
-                self.queue.put_nowait((i, out))
+            async with contextlib.aclosing(stream):  # leaving early aborts the engine request at once
+                async for out in stream:
+                    self.trackers[i].on_output(out)
+                    if out.finished:
+                        self.finished[i] = True
+                    await self.queue.put((i, out))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the handler
-            self.queue.put_nowait((i, e))
+            await self.queue.put((i, e))
 
     async def next(self) -> tuple[int, RequestOutput]:
         i, item = await self.queue.get()
@@ -73,6 +83,8 @@ class GenerationRun:
             raise from_value_error(item, "prompt")
         if isinstance(item, BaseException):
             raise engine_failure(self.async_engine, item)
+        if item.error is not None:  # a failed engine step ended it: a 500, the server goes on
+            raise ProtocolError(item.error, status=500)
         return i, item
 
     @property
@@ -81,8 +93,10 @@ class GenerationRun:
 
     def shutdown(self) -> None:
         """The server is stopping: wake the handler, which ends the response, and abort."""
-        self.queue.put_nowait((-1, ServerShutdown("The server is shutting down; the request was aborted.")))
         self.close()
+        while not self.queue.empty():  # make room: the handler must see the shutdown next
+            self.queue.get_nowait()
+        self.queue.put_nowait((-1, ServerShutdown("The server is shutting down; the request was aborted.")))
 
     def close(self) -> None:
         """Abort what has not finished (idempotent; safe inside a cancelled handler: nothing awaits)."""
@@ -93,10 +107,7 @@ class GenerationRun:
             task.cancel()
         for i, rid in enumerate(self.engine_ids):
             if not self.finished[i]:
-                # Also covers a pump cancelled while its add was in flight: commands run in order,
-                # so this abort follows the add on the engine thread.
-                try:
-                    self.async_engine.abort(rid)
-                except RuntimeError:  # the engine loop died meanwhile: nothing left to free
-                    pass
+                # A pump cancelled before its request was registered has nothing to abort; one
+                # cancelled later aborts through its generator; this covers a pump not yet started.
+                self.async_engine.abort(rid)
                 self.trackers[i].on_abort(self.params.n)

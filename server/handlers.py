@@ -1,5 +1,5 @@
-"""POST /v1/completions and /v1/chat/completions: validate, admit, tokenize on the engine thread,
-run, and answer as one JSON response or as an SSE stream."""
+"""POST /v1/completions and /v1/chat/completions: validate, admit, render and tokenize on an input
+worker, run, and answer as one JSON response or as an SSE stream."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from aiohttp import web
 
 from paxserve.outputs import CompletionOutput, RequestOutput
 from server import responses as R
-from server.errors import ProtocolError, from_value_error
+from server.errors import ProtocolError, from_value_error, internal_error
 from server.generation import GenerationRun, ServerShutdown, engine_failure
 from server.prompts import PromptInput, render_prompts
-from server.protocol import GenerationSpec, parse_chat_request, parse_completion_request, parse_json_body
+from server.protocol import GenerationSpec, parse_chat_request, parse_completion_request
+from server.request_body import read_json
 from server.state import STATE, ServerState
 from server.streaming import send_done, send_error, send_event, start_stream
 
@@ -24,21 +25,22 @@ logger = logging.getLogger("paxserve.server")
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    spec = parse_completion_request(parse_json_body(await request.read()), state.settings)
+    spec = parse_completion_request(await read_json(request, state), state.settings)
     return await serve_generation(request, state, spec, arrival)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    spec = parse_chat_request(parse_json_body(await request.read()), state.settings)
+    spec = parse_chat_request(await read_json(request, state), state.settings)
     return await serve_generation(request, state, spec, arrival)
 
 
 async def _render(state: ServerState, spec: GenerationSpec) -> list[PromptInput]:
-    template = state.settings.chat_template
+    """Render and tokenize on an input worker (never on the step loop)."""
     try:
-        return await state.async_engine.call(lambda engine: render_prompts(engine, spec, template))
+        return await state.async_engine.run_input(render_prompts, state.async_engine.input_processor, spec,
+                                                  state.settings.chat_template)
     except ProtocolError:
         raise
     except ValueError as e:
@@ -55,7 +57,7 @@ async def serve_generation(request: web.Request, state: ServerState, spec: Gener
     try:
         prompts = await _render(state, spec)
         prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
-        run = GenerationRun(state.async_engine, state.metrics, prefix, prompts, spec.params, arrival)
+        run = GenerationRun(state.async_engine, state.metrics, prefix, prompts, spec.params, arrival, spec.cache_salt)
         if state.settings.log_requests:
             logger.info("request %s: %s prompt tokens, %s", run.id, [len(p.token_ids) for p in prompts], spec.params)
         state.runs.add(run)
@@ -74,36 +76,42 @@ async def serve_generation(request: web.Request, state: ServerState, spec: Gener
             state.runs.discard(run)
 
 
-def _usage(run: GenerationRun, completion_tokens: int) -> dict[str, Any]:
-    return R.usage(sum(len(p.token_ids) for p in run.prompts), completion_tokens)
+def _usage(run: GenerationRun, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return R.usage(sum(len(p.token_ids) for p in run.prompts), completion_tokens, cached_tokens)
 
 
 # ---- one JSON response ------------------------------------------------------------------------
 
 async def _collect(state: ServerState, spec: GenerationSpec, run: GenerationRun,
                    first: tuple[int, RequestOutput]) -> web.Response:
-    finals: list[RequestOutput | None] = [None] * len(run.prompts)
+    """Fold the deltas of every choice into one answer."""
+    n = spec.params.n
+    choices: dict[int, CompletionOutput] = {}
+    cached = [0] * len(run.prompts)
+    done: set[int] = set()
     item = first
     while True:
         i, out = item
+        cached[i] = out.num_cached_tokens
         if out.finished:
-            finals[i] = out
-        if all(f is not None for f in finals):
+            done.add(i)
+        for o in out.outputs:
+            idx = i * n + o.index
+            if idx in choices:
+                choices[idx].extend(o)
+            else:
+                choices[idx] = o
+        if len(done) == len(run.prompts):
             break
         try:
             item = await run.next()
         except ServerShutdown as e:
             raise ProtocolError(str(e), status=503) from None
-    n = spec.params.n
-    choices = []
-    for i, out in enumerate(finals):
-        for o in out.outputs:
-            choices.append(_final_choice(spec, i * n + o.index, run.prompts[i], o))
-    choices.sort(key=lambda c: c["index"])
-    completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    body = [_final_choice(spec, idx, run.prompts[idx // n], choices[idx]) for idx in sorted(choices)]
+    completion_tokens = sum(len(o.token_ids) for o in choices.values())
     model = state.settings.response_model(spec.model)
-    return web.json_response(R.response(spec.kind, run.id, run.created, model, choices,
-                                        _usage(run, completion_tokens)))
+    return web.json_response(R.response(spec.kind, run.id, run.created, model, body,
+                                        _usage(run, completion_tokens, sum(cached))))
 
 
 def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: CompletionOutput) -> dict[str, Any]:
@@ -123,35 +131,34 @@ class _StreamState:
 
     def __init__(self, spec: GenerationSpec, run: GenerationRun) -> None:
         num = len(run.prompts) * spec.params.n
-        self.logprobs_sent = [0] * num
         self.text_sent = [0] * num
         self.tokens = [0] * num
         self.finished = [False] * num
         self.echo_pending = [spec.echo] * num
+        self.cached = [0] * len(run.prompts)
 
 
 def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
             out: RequestOutput) -> list[tuple[int, dict[str, Any]]]:
+    """The SSE choices of one delta output (it carries only what is new)."""
     chunks = []
     n = spec.params.n
+    st.cached[i] = out.num_cached_tokens
     for o in out.outputs:
         idx = i * n + o.index
         if st.finished[idx]:
             continue
-        st.tokens[idx] = len(o.token_ids)
-        text = o.delta_text
+        st.tokens[idx] += len(o.token_ids)
+        text = o.text
         if st.echo_pending[idx]:
             text = (run.prompts[i].text or "") + text
             st.echo_pending[idx] = False
         logprobs = None
-        if spec.logprobs is not None and o.logprobs is not None and len(o.logprobs) > st.logprobs_sent[idx]:
-            start = st.logprobs_sent[idx]
-            entries, ids = o.logprobs[start:], o.token_ids[start:len(o.logprobs)]
-            st.logprobs_sent[idx] = len(o.logprobs)
+        if spec.logprobs is not None and o.logprobs:
             if spec.kind == "chat":
-                logprobs = R.chat_logprobs(entries, ids, spec.logprobs)
+                logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs)
             else:
-                logprobs = R.completion_logprobs(entries, ids, st.text_sent[idx])
+                logprobs = R.completion_logprobs(o.logprobs, o.token_ids, st.text_sent[idx])
         if not text and logprobs is None and o.finish_reason is None:
             continue
         st.text_sent[idx] += len(text)
@@ -184,13 +191,13 @@ async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec
         item = first
         while True:
             for _, choice in _chunks(spec, run, st, *item):
-                usage = R.usage(prompt_tokens, sum(st.tokens)) if spec.continuous_usage else None
+                usage = R.usage(prompt_tokens, sum(st.tokens), sum(st.cached)) if spec.continuous_usage else None
                 await send_event(resp, chunk([choice], usage))
             if all(st.finished):
                 break
             item = await run.next()
         if spec.include_usage:
-            await send_event(resp, chunk([], R.usage(prompt_tokens, sum(st.tokens))))
+            await send_event(resp, chunk([], R.usage(prompt_tokens, sum(st.tokens), sum(st.cached))))
         await send_done(resp)
     except ConnectionError:  # the client went away mid-stream; run.close() aborts the request
         logger.debug("client disconnected from %s", run.id)
@@ -201,7 +208,7 @@ async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec
             err = e
         else:
             logger.exception("error while streaming %s", run.id)
-            err = ProtocolError(f"Internal server error: {type(e).__name__}: {e}", status=500)
+            err = internal_error()
         try:
             await send_error(resp, err)
         except ConnectionError:

@@ -2,9 +2,9 @@
 
 Request-level histograms are measured here, in the server, as outputs arrive: TTFT = first token -
 arrival, inter-token latency between successive token-bearing outputs, end-to-end latency at the
-finish. Engine state (running/waiting, KV-cache usage, prefix cache, preemptions, token totals) is
-read from `Engine.metrics()` on the engine thread at scrape time; its cumulative counts are exposed
-as counters. Each app owns its registry, so several apps in one process don't collide.
+finish. Engine state (running/waiting/paused, KV-cache usage, prefix cache, preemptions, token
+totals, failed steps) is the snapshot the step loop publishes after every step, so a scrape never
+waits on the loop; its cumulative counts are exposed as counters. Each app owns its registry, so several apps in one process don't collide.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from paxserve.outputs import RequestOutput
 
 PREFIX = "paxserve:"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -32,6 +32,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 _ENGINE_METRICS = {
     "num_requests_running": ("num_requests_running", "gauge", "Number of requests in model execution batches."),
     "num_requests_waiting": ("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    "num_requests_paused": ("num_requests_paused", "gauge",
+                            "Number of requests held out of the batch because their reader is behind."),
     "kv_cache_usage": ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
     "prefix_cache_queries": ("prefix_cache_queries", "counter",
                              "Prefix cache queries, in terms of number of queried tokens."),
@@ -39,6 +41,10 @@ _ENGINE_METRICS = {
     "num_preemptions": ("num_preemptions", "counter", "Cumulative number of preemptions from the engine."),
     "prompt_tokens": ("prompt_tokens", "counter", "Number of prefill tokens processed."),
     "generation_tokens": ("generation_tokens", "counter", "Number of generation tokens processed."),
+    "num_failed_steps": ("engine_step_failures", "counter",
+                         "Engine steps that raised; only the requests in them failed."),
+    "num_kv_cache_resets": ("kv_cache_resets", "counter",
+                            "Times a failed step lost the KV cache and it was made anew."),
 }
 
 
@@ -114,7 +120,8 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Latency and outcome of one engine request (one prompt and its n samples)."""
+    """Latency and outcome of one engine request (one prompt and its n samples), from its delta
+    outputs as they arrive."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
         self.metrics = metrics
@@ -122,12 +129,18 @@ class RequestTracker:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finished = False
-        self.num_seqs = 0
+        self.num_tokens: dict[int, int] = {}  # sample index -> tokens so far
+        self.finish_reasons: dict[int, str] = {}
 
     def on_output(self, out: RequestOutput, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self.num_seqs = len(out.outputs)
-        if any(o.delta_token_ids for o in out.outputs):
+        new_tokens = False
+        for o in out.outputs:
+            self.num_tokens[o.index] = self.num_tokens.get(o.index, 0) + len(o.token_ids)
+            new_tokens = new_tokens or bool(o.token_ids)
+            if o.finish_reason is not None:
+                self.finish_reasons[o.index] = o.finish_reason
+        if new_tokens:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.metrics.ttft.observe(now - self.arrival)
@@ -138,9 +151,10 @@ class RequestTracker:
             self.finished = True
             self.metrics.e2e.observe(now - self.arrival)
             self.metrics.request_prompt_tokens.observe(len(out.prompt_token_ids))
-            for o in out.outputs:
-                self.metrics.request_generation_tokens.observe(len(o.token_ids))
-                self.metrics.request_success.labels(self.metrics.model_name, o.finish_reason or "abort").inc()
+            for index, count in self.num_tokens.items():
+                self.metrics.request_generation_tokens.observe(count)
+                reason = self.finish_reasons.get(index, "abort")
+                self.metrics.request_success.labels(self.metrics.model_name, reason).inc()
 
     def on_abort(self, num_seqs: int) -> None:
         """The request ended early (disconnect, shutdown): count its samples as aborted."""

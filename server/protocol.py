@@ -16,6 +16,7 @@ from server.errors import ProtocolError, from_value_error
 from server.settings import ServerSettings
 
 MAX_N = 128  # OpenAI's limit on choices per request
+MAX_STOP_STRING_CHARS = 1024  # a stop string longer than this is a mistake, and costs every token a scan
 _MISSING = object()
 Prompt = str | list[int]
 
@@ -38,6 +39,8 @@ class GenerationSpec:
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    max_tokens_param: str = "max_tokens"  # the field the client used (chat may say max_completion_tokens)
 
     @property
     def num_seqs(self) -> int:
@@ -186,16 +189,46 @@ def _stream_flags(body: dict, spec: GenerationSpec) -> None:
         spec.continuous_usage = bool(get_bool(options, "continuous_usage_stats", False))
 
 
-def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
-                     vocab_size: int | None) -> SamplingParams:
-    n = get_int(body, "n", 1, lo=1, hi=MAX_N)
-    best_of = get_int(body, "best_of", None)
-    if best_of is not None and best_of != n:
-        raise _unsupported("best_of", "only best_of == n")
+def _stop_strings(body: dict, settings: ServerSettings) -> list[str] | str | None:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and (
             not isinstance(stop, list) or any(not isinstance(s, str) for s in stop)):
         raise _type_error("stop", stop, "a string or a list of strings")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if len(stops) > settings.max_stop_strings:
+        raise ProtocolError(f"`stop` has {len(stops)} stop strings; at most {settings.max_stop_strings} are allowed "
+                            "(--max-stop-strings)", param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise ProtocolError(f"`stop` strings must be at most {MAX_STOP_STRING_CHARS} characters long", param="stop")
+    return stop
+
+
+def get_cache_salt(body: dict) -> str | None:
+    salt = get_str(body, "cache_salt", None)
+    if salt is not None and not salt:
+        raise ProtocolError("`cache_salt` must be a non-empty string if provided", param="cache_salt")
+    return salt
+
+
+def check_request_chat_template(body: dict, settings: ServerSettings) -> str | None:
+    """A request's own chat template, refused unless the operator trusts request templates: any
+    Jinja a client sends runs on the server (vLLM: --trust-request-chat-template)."""
+    template = get_str(body, "chat_template", None)
+    kwargs = get_dict(body, "chat_template_kwargs") or {}
+    if (template is not None or "chat_template" in kwargs) and not settings.trust_request_chat_template:
+        raise ProtocolError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                            "Refused request with untrusted chat template.", param="chat_template")
+    return template
+
+
+def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
+                     settings: ServerSettings) -> SamplingParams:
+    vocab_size = settings.vocab_size
+    n = get_int(body, "n", 1, lo=1, hi=MAX_N)
+    best_of = get_int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise _unsupported("best_of", "only best_of == n")
+    stop = _stop_strings(body, settings)
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
         stop_token_ids = token_ids(stop_token_ids, "stop_token_ids", vocab_size, allow_empty=True)
@@ -280,8 +313,9 @@ def parse_completion_request(body: dict, settings: ServerSettings) -> Generation
         raise ProtocolError("`echo` together with `logprobs` is not supported: paxserve does not compute prompt "
                             "logprobs", param="echo")
     max_tokens = get_int(body, "max_tokens", 16)
-    params = _sampling_params(body, max_tokens, logprobs, {}, settings.vocab_size)
-    spec = GenerationSpec("completion", model, params, prompts=prompts, echo=echo, logprobs=logprobs)
+    params = _sampling_params(body, max_tokens, logprobs, {}, settings)
+    spec = GenerationSpec("completion", model, params, prompts=prompts, echo=echo, logprobs=logprobs,
+                          cache_salt=get_cache_salt(body))
     _stream_flags(body, spec)
     return spec
 
@@ -342,14 +376,15 @@ def parse_chat_request(body: dict, settings: ServerSettings) -> GenerationSpec:
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_int(body, max_name, None)
     params = _sampling_params(body, max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_name},
-                              settings.vocab_size)
-    spec = GenerationSpec("chat", model, params, messages=messages, logprobs=logprobs)
+                              settings)
+    spec = GenerationSpec("chat", model, params, messages=messages, logprobs=logprobs,
+                          cache_salt=get_cache_salt(body), max_tokens_param=max_name)
     spec.add_generation_prompt = bool(get_bool(body, "add_generation_prompt", True))
     spec.continue_final_message = bool(get_bool(body, "continue_final_message", False))
     if spec.add_generation_prompt and spec.continue_final_message:
         raise ProtocolError("`continue_final_message` needs `add_generation_prompt` set to false",
                             param="continue_final_message")
-    spec.chat_template = get_str(body, "chat_template", None)
+    spec.chat_template = check_request_chat_template(body, settings)
     spec.chat_template_kwargs = get_dict(body, "chat_template_kwargs") or {}
     _stream_flags(body, spec)
     return spec

@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import paxserve
 from paxserve.outputs import Logprob
+
+# OpenAI clients expect a string here (or no field at all), never null.
+SYSTEM_FINGERPRINT = f"fp_paxserve_{paxserve.__version__}"
 
 # JSON has no -inf; vLLM sends this floor instead.
 _LOGPROB_FLOOR = -9999.0
@@ -15,12 +19,10 @@ def _lp(value: float) -> float:
     return value if math.isfinite(value) else _LOGPROB_FLOOR
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                           "completion_tokens": completion_tokens}
-    if cached_tokens:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _token_str(token_id: int, lp: Logprob) -> str:
@@ -86,8 +88,7 @@ def response(kind: str, request_id: str, created: int, model: str, choices: list
     else:
         obj = "text_completion"
     out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
-    if kind == "chat":
-        out["system_fingerprint"] = None
+    out["system_fingerprint"] = SYSTEM_FINGERPRINT
     if not chunk or with_usage:
         out["usage"] = usage_
     return out

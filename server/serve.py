@@ -1,5 +1,9 @@
-"""`paxserve serve`: build the Engine from the CLI flags, run it on its own thread (AsyncEngine),
-serve the app until SIGINT/SIGTERM, then stop accepting, abort in-flight requests and exit."""
+"""`paxserve serve`: build the Engine from the CLI flags, run it on its own threads (AsyncEngine),
+serve the app until SIGINT/SIGTERM, then drain (--shutdown-timeout), abort what is left and exit.
+
+If the engine dies anyway, /health answers 503 at once and the process exits with status 1 within
+EXIT_DEADLINE_S seconds, so that a supervisor (systemd, Kubernetes) restarts it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +20,12 @@ from typing import Any
 from aiohttp import web
 
 from server.settings import DEFAULT_MODEL_NAME, ServerSettings
+from server.transport import TransportLimits, make_runner
 
 logger = logging.getLogger("paxserve.server")
-SHUTDOWN_TIMEOUT_S = 5.0  # after this, handlers still running at shutdown are cancelled
+HANDLER_GRACE_S = 2.0  # after the in-flight requests were aborted, handlers get this long to end
+EXIT_DEADLINE_S = 5.0  # an engine death ends the process within this, whatever still hangs
+DRAIN_POLL_S = 0.05
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -50,8 +58,14 @@ def build_settings(args: argparse.Namespace, model_root: str | None, chat_templa
         served_model_names=list(names), model_root=model_root,
         api_key=args.api_key or os.environ.get("PAXSERVE_API_KEY") or None, max_logprobs=args.max_logprobs,
         max_num_queued_reqs=args.max_num_queued_reqs, chat_template=chat_template,
-        log_requests=args.enable_log_requests,
+        trust_request_chat_template=args.trust_request_chat_template, max_stop_strings=args.max_stop_strings,
+        body_timeout_s=args.http_body_timeout, log_requests=args.enable_log_requests,
     )
+
+
+def transport_limits(args: argparse.Namespace) -> TransportLimits:
+    return TransportLimits(header_timeout_s=args.http_header_timeout, keepalive_timeout_s=args.timeout_keep_alive,
+                           body_timeout_s=args.http_body_timeout)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -76,15 +90,20 @@ def run_server(args: argparse.Namespace) -> int:
                 plan.num_bytes / 2**30, engine.max_model_len, plan.max_concurrency, engine.config.max_num_seqs,
                 "on" if engine.config.enable_prefix_caching else "off")
     settings = build_settings(args, engine.model.source, chat_template)
+    limits = transport_limits(args)
     async_engine = AsyncEngine(engine)
     try:
-        asyncio.run(_serve(async_engine, settings, args.host, args.port))
+        code = asyncio.run(serve(async_engine, settings, args.host, args.port, limits, args.shutdown_timeout))
     except OSError as e:  # the port is taken, the host is not ours, ...
         raise ValueError(f"cannot listen on {args.host or '0.0.0.0'}:{args.port}: {e}") from None
     finally:
-        async_engine.shutdown()
-    logger.info("paxserve stopped")
-    return 0
+        # A dead engine's threads are gone or stuck in a step: do not wait for them.
+        async_engine.shutdown(timeout=30.0 if async_engine.is_alive else 0.5)
+    if code == 0:
+        logger.info("paxserve stopped")
+    else:
+        logger.critical("paxserve stopped because its engine died (exit status %d)", code)
+    return code
 
 
 def _version() -> str:
@@ -93,11 +112,15 @@ def _version() -> str:
     return paxserve.__version__
 
 
-async def _serve(async_engine: Any, settings: ServerSettings, host: str | None, port: int) -> None:
+async def serve(async_engine: Any, settings: ServerSettings, host: str | None, port: int,
+                limits: TransportLimits | None = None, shutdown_timeout: float = 0.0) -> int:
+    """Serve until a signal or an engine death; return the process exit status (0, or 1 after a death)."""
     from server.app import create_app
+    from server.state import STATE
 
     app = create_app(async_engine, settings)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    state = app[STATE]
+    runner = make_runner(app, limits or TransportLimits(), handler_cancellation=True, shutdown_timeout=HANDLER_GRACE_S)
     await runner.setup()
     bind_host = host or "0.0.0.0"  # one IPv4 socket, so --port 0 gives one port
     site = web.TCPSite(runner, bind_host, port, reuse_address=True)
@@ -122,12 +145,45 @@ async def _serve(async_engine: Any, settings: ServerSettings, host: str | None, 
         for s in (signal.SIGINT, signal.SIGTERM):  # a second signal kills at once
             loop.remove_signal_handler(s)
 
+    def on_engine_death(_error: BaseException) -> None:  # on the dying engine thread
+        # The process must end even if something below hangs: a supervisor restarts it.
+        backstop = threading.Timer(EXIT_DEADLINE_S - 0.5, os._exit, args=(1,))
+        backstop.daemon = True  # a clean exit before the deadline need not wait for it
+        backstop.start()
+        loop.call_soon_threadsafe(stop.set)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    async_engine.on_death(on_engine_death)
+    dead = False
     try:
         await stop.wait()
-        logger.info("received %s: shutting down (no new connections; aborting in-flight requests)", received[0])
+        dead = not async_engine.is_alive
+        if dead:
+            logger.critical("the engine died: /health answers 503 and the server exits with status 1 so that its "
+                            "supervisor restarts it")
+        elif shutdown_timeout > 0 and state.num_inflight_seqs:
+            await _drain(state, received[0], shutdown_timeout)
+        else:
+            logger.info("received %s: shutting down (no new connections; aborting in-flight requests)", received[0])
     finally:
+        state.shutting_down = True
         started = time.perf_counter()
         await runner.cleanup()
         logger.info("HTTP server stopped in %.1fs", time.perf_counter() - started)
+    return 1 if dead else 0
+
+
+async def _drain(state: Any, signal_name: str, timeout: float) -> None:
+    """Refuse new requests (503, /health too) and let the ones in flight finish, up to `timeout`."""
+    state.shutting_down = True
+    logger.info("received %s: draining %d in-flight sequences for up to %.0fs (new requests get 503; a second "
+                "signal stops at once)", signal_name, state.num_inflight_seqs, timeout)
+    deadline = time.monotonic() + timeout
+    while state.num_inflight_seqs and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    if state.num_inflight_seqs:
+        logger.info("drain timed out after %.0fs: aborting the %d sequences still in flight", timeout,
+                    state.num_inflight_seqs)
+    else:
+        logger.info("drained: every in-flight request finished")

@@ -17,6 +17,10 @@ class ServerSettings:
     # 429 once more than this many sequences would wait for a batch slot (None: no limit).
     max_num_queued_reqs: int | None = None
     chat_template: str | None = None  # overrides the model's own template
+    # A request's own `chat_template` runs arbitrary Jinja on the server: refused unless trusted.
+    trust_request_chat_template: bool = False
+    max_stop_strings: int = 32  # more stop strings in one request is a 400
+    body_timeout_s: float = 30.0  # a request body must arrive within this once its headers have
     log_requests: bool = False
     # Filled from the engine by create_app when left None.
     max_model_len: int | None = None
@@ -30,6 +34,10 @@ class ServerSettings:
             raise ValueError(f"ServerSettings.max_logprobs={self.max_logprobs} must be >= 0")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
             raise ValueError(f"ServerSettings.max_num_queued_reqs={self.max_num_queued_reqs} must be >= 0")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"ServerSettings.max_stop_strings={self.max_stop_strings} must be >= 0")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"ServerSettings.body_timeout_s={self.body_timeout_s} must be > 0 seconds")
 
     @property
     def model_name(self) -> str:

@@ -21,14 +21,15 @@ class ServerState:
     created: int
     runs: set[GenerationRun] = field(default_factory=set)
     num_inflight_seqs: int = 0  # sequences (prompts x n) accepted and not finished
-    shutting_down: bool = False
+    shutting_down: bool = False  # draining or stopping: new work is refused with 503
 
     def check_serving(self) -> None:
-        if self.shutting_down:
-            raise ProtocolError("The server is shutting down.", status=503)
         if not self.async_engine.is_alive:
-            raise ProtocolError(f"The engine has stopped and cannot serve requests: {self.async_engine.error!r}",
-                                status=503)
+            raise ProtocolError("The engine has stopped and cannot serve requests; the server is exiting so that its "
+                                "supervisor can restart it.", status=503)
+        if self.shutting_down:
+            raise ProtocolError("The server is shutting down and accepts no new requests.", status=503,
+                                headers={"Connection": "close"})
 
     def admit(self, num_seqs: int) -> None:
         """Reserve room for `num_seqs` sequences, or 429 when more than --max-num-queued-reqs would be

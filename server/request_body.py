@@ -1,0 +1,30 @@
+"""Reading a request's JSON body: the Content-Type must say JSON, and the body must arrive in time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from server.errors import ProtocolError
+from server.protocol import parse_json_body
+from server.transport import read_body
+
+_JSON_TYPES = ("application/json",)
+
+
+def check_json_content_type(request: web.Request) -> None:
+    """415 for a body declared as anything but JSON (`application/json`, `application/*+json`). A
+    request with no Content-Type at all is read as JSON, as most HTTP clients' defaults expect."""
+    if "Content-Type" not in request.headers:
+        return
+    mime = request.content_type.lower()  # without parameters such as charset
+    if mime in _JSON_TYPES or (mime.startswith("application/") and mime.endswith("+json")):
+        return
+    raise ProtocolError(f"Unsupported Content-Type {mime!r}: send the body as JSON with "
+                        "`Content-Type: application/json` (curl: -H 'Content-Type: application/json').", status=415)
+
+
+async def read_json(request: web.Request, state: Any) -> dict[str, Any]:
+    check_json_content_type(request)
+    return parse_json_body(await read_body(request, state.settings.body_timeout_s))
