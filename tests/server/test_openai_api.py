@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from conftest import MAX_MODEL_LEN, MODEL_NAME, VOCAB_SIZE, metric_value, sse_payloads
+from conftest import MAX_MODEL_LEN, MODEL_NAME, VOCAB_SIZE, assert_error, metric_value, sse_payloads
 
 PROMPT = "Hello, my name is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -235,9 +235,18 @@ def test_penalties_change_a_repetitive_continuation(client) -> None:
     assert penalised != base and repetition != base
 
 
-def test_max_tokens_is_clamped_to_the_room_left(client) -> None:
+def test_max_tokens_beyond_the_room_left_is_a_400_with_vllms_wording(server, client) -> None:
     ids = [28120] * (MAX_MODEL_LEN - 10)
-    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=100, extra_body={"ignore_eos": True},
+    resp = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": ids, "max_tokens": 100})
+    err = assert_error(resp, 400, param="max_tokens")
+    assert err["message"] == (f"'max_tokens' or 'max_completion_tokens' is too large: 100. This model's maximum "
+                              f"context length is {MAX_MODEL_LEN} tokens and your request has {MAX_MODEL_LEN - 10} "
+                              f"input tokens (100 > {MAX_MODEL_LEN} - {MAX_MODEL_LEN - 10}).")
+    resp = server.post("/v1/chat/completions", {"model": MODEL_NAME, "messages": QUESTION,
+                                                "max_completion_tokens": MAX_MODEL_LEN})
+    assert_error(resp, 400, param="max_completion_tokens", mentions="is too large")
+    # Exactly the room left is fine, and so is no max_tokens at all (chat: the room left).
+    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=10, extra_body={"ignore_eos": True},
                                     **GREEDY)
     assert out.choices[0].finish_reason == "length"
     assert_usage(out.usage, prompt_tokens=MAX_MODEL_LEN - 10, completion_tokens=10)
