@@ -18,11 +18,12 @@ blocks) until the reader catches up, so memory stays flat behind a slow client.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -53,10 +54,11 @@ class _Stream:
     """One request's outputs on its caller's event loop: a single pending output that later deltas
     merge into, so a slow reader costs one growing delta, never a queue of copies."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, kind: RequestOutputKind,
+    def __init__(self, owner: AsyncEngine, request_id: str, engine_id: str, kind: RequestOutputKind,
                  loop: asyncio.AbstractEventLoop, max_pending_tokens: int) -> None:
         self.owner = owner
-        self.request_id = request_id
+        self.request_id = request_id  # the caller's id
+        self.engine_id = engine_id  # this incarnation's id inside the engine
         self.kind = kind
         self.loop = loop
         self.max_pending_tokens = max_pending_tokens
@@ -73,10 +75,11 @@ class _Stream:
         else:
             self.pending.merge_delta(item)
         self.ready.set()
-        if (not self.paused and self.pending is not None and not self.pending.finished
-                and self.pending.num_output_tokens > self.max_pending_tokens):
+        # Only merged deltas grow with the reader's lag; cumulative outputs replace each other.
+        if (not self.paused and self.kind == RequestOutputKind.DELTA and self.pending is not None
+                and not self.pending.finished and self.pending.num_output_tokens > self.max_pending_tokens):
             self.paused = True
-            self.owner._send(_Command("pause", self.request_id))
+            self.owner._send(_Command("pause", self.engine_id))
 
     async def get(self) -> RequestOutput:
         while self.pending is None and self.error is None:
@@ -87,7 +90,7 @@ class _Stream:
         out, self.pending = self.pending, None
         if self.paused:
             self.paused = False
-            self.owner._send(_Command("resume", self.request_id))
+            self.owner._send(_Command("resume", self.engine_id))
         return out
 
 
@@ -104,8 +107,12 @@ class AsyncEngine:
         self._output_processor = engine.output_processor
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._to_outputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams (caller loops, the step and output threads)
+        # Inside the engine each request runs under an id of its own incarnation, so outputs still in
+        # flight for an aborted request can never reach a new request that reuses its id.
+        self._serial = itertools.count()
+        self._streams: dict[str, _Stream] = {}  # engine id -> stream
+        self._active: dict[str, str] = {}  # caller's request id -> engine id
+        self._lock = threading.Lock()  # guards both (caller loops, the step and output threads)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._death_callbacks: list[Callable[[BaseException], None]] = []
@@ -126,19 +133,28 @@ class AsyncEngine:
         return self.error is None and self._step_thread.is_alive() and self._output_thread.is_alive()
 
     def on_death(self, callback: Callable[[BaseException], None]) -> None:
-        """Call `callback(error)` (from the dying thread) if the engine stops with an error."""
-        self._death_callbacks.append(callback)
-        if self.error is not None:
-            callback(self.error)
+        """Call `callback(error)` once (from the dying thread, or now if already dead) if the
+        engine stops with an error."""
+        with self._lock:
+            error = self.error
+            if error is None:
+                self._death_callbacks.append(callback)
+        if error is not None:
+            callback(error)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop both threads (a step under way finishes first, up to `timeout` seconds)."""
+        """Stop both threads (a step under way finishes first, up to `timeout` seconds); streams
+        still open end with EngineDeadError."""
         self._stop.set()
         self._wake.set()
         self._to_outputs.put(("stop", None))
         self._step_thread.join(timeout=timeout)
         self._output_thread.join(timeout=timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            open_streams = list(self._streams)
+        for engine_id in open_streams:
+            self._deliver(engine_id, EngineDeadError("the engine was shut down"))
 
     def _check_alive(self) -> None:
         if not self.is_alive:
@@ -159,9 +175,12 @@ class AsyncEngine:
         ValueError before anything streams. Leaving early (a client gone, a cancelled task)
         aborts the request and frees its blocks; no moment of cancellation is unsafe."""
         params = params or SamplingParams()
-        request = await self.run_input(self.input_processor.process, request_id, prompt, params,
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        engine_id = f"{request_id}\x1f{next(self._serial)}"
+        request = await self.run_input(self.input_processor.process, engine_id, prompt, params,
                                        cache_salt=cache_salt, arrival_time=arrival_time)
-        stream = self._register(request)
+        stream = self._register(request_id, request)
         finished = False
         try:
             while True:
@@ -172,25 +191,34 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self._abort(engine_id)
 
     def abort(self, request_id: str) -> None:
         """End a request now (from any thread, at any moment; unknown ids are ignored)."""
         with self._lock:
-            stream = self._streams.pop(request_id, None)
+            engine_id = self._active.get(request_id)
+        if engine_id is not None:
+            self._abort(engine_id)
+
+    def _abort(self, engine_id: str) -> None:
+        with self._lock:
+            stream = self._streams.pop(engine_id, None)
+            if stream is not None and self._active.get(stream.request_id) == engine_id:
+                del self._active[stream.request_id]
         if stream is None or not self.is_alive:
             return
-        self._send(_Command("abort", request_id))
-        self._to_outputs.put(("abort", request_id))
+        self._send(_Command("abort", engine_id))
+        self._to_outputs.put(("abort", engine_id))
 
-    def _register(self, request: EngineCoreRequest) -> _Stream:
-        stream = _Stream(self, request.request_id, request.output_kind, asyncio.get_running_loop(),
+    def _register(self, request_id: str, request: EngineCoreRequest) -> _Stream:
+        stream = _Stream(self, request_id, request.request_id, request.output_kind, asyncio.get_running_loop(),
                          self.max_pending_tokens)
         with self._lock:
-            if self.error is not None:  # checked under the lock that _die lists the streams under
+            if self.error is not None or self._stop.is_set():  # under the lock _die lists the streams under
                 raise EngineDeadError("the engine has stopped and cannot serve requests")
-            if request.request_id in self._streams:
-                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            if request_id in self._active:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._active[request_id] = request.request_id
             self._streams[request.request_id] = stream
         # The output thread learns of the request before the step loop can produce anything for it.
         self._to_outputs.put(("add", request))
@@ -203,18 +231,22 @@ class AsyncEngine:
 
     # ---- delivery (from the loop threads) ------------------------------------------------------
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, engine_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
-            stream = self._streams.get(request_id)
+            stream = self._streams.get(engine_id)
             if stream is not None and (isinstance(item, BaseException) or item.finished):
-                del self._streams[request_id]
+                del self._streams[engine_id]
+                if self._active.get(stream.request_id) == engine_id:
+                    del self._active[stream.request_id]
         if stream is None:
             return
+        if isinstance(item, RequestOutput):
+            item.request_id = stream.request_id  # the caller's id, not the incarnation's
         try:
             stream.loop.call_soon_threadsafe(stream.put, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            self._send(_Command("abort", request_id))
-            self._to_outputs.put(("abort", request_id))
+            self._send(_Command("abort", engine_id))
+            self._to_outputs.put(("abort", engine_id))
 
     # ---- the step loop -------------------------------------------------------------------------
 
@@ -293,19 +325,16 @@ class AsyncEngine:
                 return
             self.error = error
             streams = list(self._streams)
+            callbacks = list(self._death_callbacks)
         self._stop.set()
         self._wake.set()
         self._to_outputs.put(("stop", None))
         dead = EngineDeadError("the engine has stopped and cannot serve requests")
-        for request_id in streams:
-            self._deliver(request_id, dead)
-        for callback in list(self._death_callbacks):
+        for engine_id in streams:
+            self._deliver(engine_id, dead)
+        for callback in callbacks:
             try:
                 callback(error)
             except Exception:  # noqa: BLE001 - a broken callback must not hide the death
                 logger.exception("an engine death callback failed")
 
-
-def delta_params(params: SamplingParams) -> SamplingParams:
-    """`params` asking for delta outputs (what streaming wants)."""
-    return replace(params, output_kind=RequestOutputKind.DELTA)

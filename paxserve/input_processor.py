@@ -162,7 +162,8 @@ class InputProcessor:
                                    f"optionally 'cache_salt'; got keys {sorted(prompt)}", param="prompt")
             if cache_salt is not None and prompt.get("cache_salt") not in (None, cache_salt):
                 raise RequestError("cache_salt is given twice, with different values", param="cache_salt")
-            cache_salt = prompt.get("cache_salt", cache_salt)
+            if prompt.get("cache_salt") is not None:
+                cache_salt = prompt["cache_salt"]
             prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RequestError("cache_salt must be a non-empty string if provided", param="cache_salt")

@@ -136,10 +136,19 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash.
         thrashing = bool(out.preempted)
-        while not thrashing and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not thrashing and budget > 0:
             index = next((j for j, r in enumerate(self.waiting) if not r.paused), None)
             if index is None:
                 break
+            if len(self.running) >= self.config.max_num_seqs:
+                # Paused requests must not hold every batch slot: the newest gives its slot up.
+                victim = self._newest_paused()
+                if victim is None:
+                    break
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                continue
             request = self.waiting[index]
             hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
