@@ -293,3 +293,40 @@ def test_reset_prefix_cache():
     # A block can be cached again afterwards.
     pool.cache_block(b, hb)
     assert pool.get_cached_block(hb) is b
+
+
+def test_block_keys_are_sha256_chains_stable_across_processes():
+    import hashlib
+    import subprocess
+    import sys
+
+    key = h(1, 2, 3, 4)
+    assert isinstance(key.value, bytes) and len(key.value) == hashlib.sha256().digest_size
+    # Python's own hash() of tuples changes with PYTHONHASHSEED; these keys must not.
+    code = "from paxserve.block_pool import hash_block; print(hash_block(None, (1, 2, 3, 4)).value.hex())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=str(__import__("pathlib").Path(
+                               __file__).resolve().parents[2])).stdout.strip()
+    assert other == key.value.hex()
+
+
+def test_cache_salt_changes_the_first_key_and_so_every_later_one():
+    tokens = (1, 2, 3, 4)
+    plain, salted, other, empty = (hash_block(None, tokens, salt) for salt in (None, "tenant-a", "tenant-b", ""))
+    assert len({plain.value, salted.value, other.value, empty.value}) == 4
+    assert hash_block(None, tokens, "tenant-a") == salted  # deterministic
+    # A later block's key depends on the salt only through its parent.
+    assert hash_block(salted, (5, 6, 7, 8)) != hash_block(plain, (5, 6, 7, 8))
+    assert hash_block(salted, (5, 6, 7, 8), "ignored") == hash_block(salted, (5, 6, 7, 8))
+
+
+def test_uncache_block_forgets_a_registration():
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    ha = h(1, 2)
+    assert pool.cache_block(a, ha) is True
+    assert pool.cache_block(b, ha) is False  # already held by a
+    pool.uncache_block(a)
+    assert a.block_hash is None and pool.get_cached_block(ha) is None
+    pool.uncache_block(b)  # never registered: nothing happens
+    assert pool.cache_block(b, ha) is True and pool.get_cached_block(ha) is b

@@ -402,3 +402,29 @@ def test_output_tokens_are_cached_too():
     assert kv.pool.blocks[1].block_hash is not None
     b = make_req("b", [1, 2, 3, 4, 5])
     assert admit(kv, b) == ([1], 4)
+
+
+def test_rollback_forgets_only_the_registrations_of_the_failed_step():
+    from paxserve.request import Request
+    from paxserve.sampling_params import SamplingParams
+
+    kv = KVCacheManager(16, 4, enable_caching=True)
+
+    def req(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=4), max_tokens=4)
+
+    first = req("first", list(range(9)))
+    assert kv.allocate_slots(first, 9)
+    kv.commit()  # that step ran: its two full blocks hold their KV
+    committed = dict(kv.pool.cached)
+    assert len(committed) == 2
+    second = req("second", list(range(100, 109)))
+    assert kv.allocate_slots(second, 9)
+    # A batch-mate in the same step may already share what the step is about to write.
+    mate = req("mate", list(range(100, 110)))
+    hits, num_hit = kv.get_computed_blocks(mate)
+    assert num_hit == 8
+    kv.rollback()  # the step failed: the second request's blocks were never written
+    assert kv.pool.cached == committed
+    assert kv.get_computed_blocks(req("later", list(range(100, 110))))[1] == 0
+    assert kv.get_computed_blocks(req("again", list(range(9))))[1] == 8

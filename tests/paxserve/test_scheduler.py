@@ -703,3 +703,73 @@ def test_random_add_step_abort_invariants(enable_caching, ops):
     assert sched.kv.req_hashes == {}
     assert sched.stats.num_preemptions == sum(r.num_preemptions for r in all_reqs)
     assert sorted(sched.kv.pool.free_queue.block_ids()) == list(range(1, NUM_BLOCKS))
+
+
+# ---- paused requests (a reader behind its stream) ----------------------------------------------------
+
+
+def test_a_paused_request_is_not_scheduled_but_keeps_its_blocks():
+    sched = make_sched()
+    a, b = make_req("a", range(8)), make_req("b", range(100, 108))
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    blocks = sched.kv.block_ids("a")
+    a.paused = True
+    out, _ = step(sched)
+    assert plan(out) == [("b", 1)]
+    assert sched.kv.block_ids("a") == blocks and a.status == RequestStatus.RUNNING
+    a.paused = False
+    out, _ = step(sched)
+    assert plan(out) == [("a", 1), ("b", 1)]
+
+
+def test_a_paused_request_gives_up_its_blocks_first():
+    # 6 usable blocks of 4 tokens: a (older, paused) and b hold 2 each; c needs 3 to be admitted.
+    sched = make_sched(num_blocks=7, enable_caching=False)
+    a, b, c = make_req("a", range(7)), make_req("b", range(10, 17)), make_req("c", range(20, 29))
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    a.paused = True
+    sched.add_request(c)
+    out, _ = step(sched)
+    assert out.preempted == [a], "the paused request, not the newest running one, makes room"
+    assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0 and a.paused
+    assert ("c", 9) in plan(out) and ("b", 1) in plan(out)
+    # While paused it is not readmitted, even with room; once resumed it is recomputed.
+    run_to_completion_except(sched, {"a"})
+    a.paused = False
+    assert run_to_completion(sched) > 0 and a.status.finished and a.num_output_tokens == 4
+
+
+def run_to_completion_except(sched: Scheduler, held: set[str]) -> None:
+    while any(r.request_id not in held for r in sched.requests.values()):
+        out, _ = step(sched)
+        assert all(s.request.request_id not in held for s in out.scheduled)
+
+
+def test_paused_requests_do_not_hold_every_batch_slot():
+    sched = make_sched(max_num_seqs=2)
+    a, b, c = make_req("a", range(5)), make_req("b", range(10, 15)), make_req("c", range(20, 25))
+    for r in (a, b):
+        sched.add_request(r)
+    step(sched)
+    a.paused = b.paused = True
+    sched.add_request(c)
+    out, _ = step(sched)
+    assert out.preempted == [b] and plan(out) == [("c", 5)]  # the newest paused one gives its slot up
+    assert len(sched.running) == 2
+
+
+def test_a_running_request_preempts_a_paused_one_before_itself():
+    # a (paused) and b each hold blocks; b needs a new block when the pool is empty.
+    sched = make_sched(num_blocks=5, enable_caching=False)  # 4 usable blocks
+    a, b = make_req("a", range(8), max_tokens=8), make_req("b", range(10, 17), max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a: 8 tokens (2 blocks), b: 7 (2 blocks); b's 9th token needs a 3rd block
+    a.paused = True
+    step(sched)
+    out, _ = step(sched)
+    assert out.preempted == [a] and plan(out) == [("b", 1)]
