@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "RequestOutputKind",
+           "SamplingParams"]
 
 _LAZY = {
     "Engine": "paxserve.engine",
@@ -19,6 +20,7 @@ _LAZY = {
     "RequestOutput": "paxserve.outputs",
     "CompletionOutput": "paxserve.outputs",
     "SamplingParams": "paxserve.sampling_params",
+    "RequestOutputKind": "paxserve.sampling_params",
 }
 
 
