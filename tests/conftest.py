@@ -24,6 +24,16 @@ def report(request: pytest.FixtureRequest):
     return record
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The bundled SmolLM2 tokenizer (reading the GGUF metadata takes seconds: once per run)."""
+    from models.bundled import default_model_path
+    from models.gguf_io import GGUFCheckpoint
+    from models.tokenizer import tokenizer_from_gguf
+
+    return tokenizer_from_gguf(GGUFCheckpoint(default_model_path()))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
     if REPORT:
         terminalreporter.section("paxserve figures")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -79,3 +80,33 @@ def load_benchmark(name: str, module_name: str | None = None):  # noqa: ANN201
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def app_in_thread(app: Any, make_runner: Any = None, timeout: float = 60.0) -> Iterator[str]:
+    """Serve an aiohttp `app` on 127.0.0.1 (a free port) from an event loop on a background thread;
+    yields its base URL and stops it afterwards. `make_runner(app)` builds the runner (default:
+    aiohttp's AppRunner)."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> web.BaseRunner:
+        runner = (make_runner or web.AppRunner)(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    runner = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout)
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        loop.close()

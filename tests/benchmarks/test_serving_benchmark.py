@@ -9,14 +9,13 @@ import json
 import math
 import socket
 import sys
-import threading
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from tests.helpers import load_benchmark
+from tests.helpers import app_in_thread, load_benchmark
 
 
 serving = load_benchmark("serving")
@@ -72,34 +71,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 @pytest.fixture(scope="module")
 def fake_server():
     """An aiohttp server on a free port in a background thread; yields (base_url, received bodies)."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    state: dict = {}
-
-    async def start() -> None:
-        app = web.Application()
-        app[BODIES] = []
-        app.router.add_get("/v1/models", _models)
-        app.router.add_post("/v1/completions", _completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        state.update(runner=runner, port=runner.addresses[0][1], bodies=app[BODIES])
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert started.wait(20), "fake server did not start"
-    yield f"http://127.0.0.1:{state['port']}", state["bodies"]
-    asyncio.run_coroutine_threadsafe(state["runner"].cleanup(), loop).result(20)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(20)
-    loop.close()
+    app = web.Application()
+    app[BODIES] = []
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", _completions)
+    with app_in_thread(app) as url:
+        yield url, app[BODIES]
 
 
 # --------------------------------------------------------------------------- statistics

@@ -9,14 +9,13 @@ import json
 import os
 import random
 import socket
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from aiohttp import web
-from tests.helpers import load_benchmark
+from tests.helpers import app_in_thread, load_benchmark
 
 soak = load_benchmark("soak")
 
@@ -130,37 +129,15 @@ async def _metrics(request: web.Request) -> web.Response:
 @pytest.fixture(scope="module")
 def fake_server():
     """An aiohttp server on a free port in a background thread; yields (base_url, mode dict to set faults in)."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    state: dict = {}
-
-    async def start() -> None:
-        app = web.Application()
-        app[MODE] = {**_mode(), "rng": random.Random(0), "bodies": [], "running": 0}
-        app.router.add_get("/v1/models", _models)
-        app.router.add_get("/health", _health)
-        app.router.add_get("/metrics", _metrics)
-        app.router.add_post("/v1/completions", _completions)
-        app.router.add_post("/v1/chat/completions", _chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        state.update(runner=runner, port=runner.addresses[0][1], mode=app[MODE])
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert started.wait(20), "fake server did not start"
-    yield f"http://127.0.0.1:{state['port']}", state["mode"]
-    asyncio.run_coroutine_threadsafe(state["runner"].cleanup(), loop).result(20)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(20)
-    loop.close()
+    app = web.Application()
+    app[MODE] = {**_mode(), "rng": random.Random(0), "bodies": [], "running": 0}
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    with app_in_thread(app) as url:
+        yield url, app[MODE]
 
 
 def _soak(url: str, mode: dict, tmp_path: Path, *extra: str, duration: float = 3.0, **faults) -> tuple[int, dict]:

@@ -12,9 +12,6 @@ import time
 import numpy as np
 import pytest
 
-from models.bundled import default_model_path
-from models.gguf_io import GGUFCheckpoint
-from models.tokenizer import tokenizer_from_gguf
 from paxserve.chat_template import RenderLimits
 from paxserve.input_processor import InputProcessor, RequestError, max_token_chars
 from paxserve.sampling_params import SamplingParams
@@ -25,14 +22,8 @@ TEXT = "Hello, world! The quick brown fox."
 
 
 @pytest.fixture(scope="module")
-def tok(request):
-    # Reading the GGUF metadata takes seconds: share one tokenizer with test_output_processor.py.
-    config = request.config
-    tokenizer = getattr(config, "_paxserve_smollm2_tokenizer", None)
-    if tokenizer is None:
-        tokenizer = tokenizer_from_gguf(GGUFCheckpoint(default_model_path()))
-        config._paxserve_smollm2_tokenizer = tokenizer
-    return tokenizer
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def make(tok, **kwargs) -> InputProcessor:

@@ -14,9 +14,6 @@ import math
 import numpy as np
 import pytest
 
-from models.bundled import default_model_path
-from models.gguf_io import GGUFCheckpoint
-from models.tokenizer import tokenizer_from_gguf
 from paxserve.engine_io import EngineCoreRequest, RequestOutputKind, SampledLogprobs, SampleOutput
 from paxserve.output_processor import OutputProcessor
 from paxserve.outputs import RequestOutput
@@ -31,14 +28,8 @@ EOS = 2
 
 
 @pytest.fixture(scope="module")
-def tok(request):
-    # Reading the GGUF metadata takes seconds: share one tokenizer with test_input_processor.py.
-    config = request.config
-    tokenizer = getattr(config, "_paxserve_smollm2_tokenizer", None)
-    if tokenizer is None:
-        tokenizer = tokenizer_from_gguf(GGUFCheckpoint(default_model_path()))
-        config._paxserve_smollm2_tokenizer = tokenizer
-    return tokenizer
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

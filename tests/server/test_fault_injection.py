@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import aiohttp
 import numpy as np
@@ -22,6 +22,7 @@ from paxserve import AsyncEngine, Engine
 from server.app import create_app
 from server.settings import ServerSettings
 from server.transport import TransportLimits, make_runner
+from tests.helpers import app_in_thread
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, tiny_dir  # noqa: F401
 
 MODEL = "tiny"
@@ -89,26 +90,9 @@ def live(tiny_dir: Path) -> Iterator[Live]:  # noqa: F811
     engine = Engine(str(tiny_dir), **TEST_ENGINE_ARGS)
     faults = Faults(engine)
     async_engine = AsyncEngine(engine)
-    loop = asyncio.new_event_loop()
-    started: dict[str, Any] = {}
-
-    async def start() -> None:
-        runner = make_runner(create_app(async_engine, ServerSettings(served_model_names=[MODEL])), TransportLimits())
-        await runner.setup()
-        from aiohttp import web
-
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        started["runner"] = runner
-        started["port"] = runner.addresses[0][1]
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
-    yield Live(f"http://127.0.0.1:{started['port']}", engine, async_engine, faults)
-    asyncio.run_coroutine_threadsafe(started["runner"].cleanup(), loop).result(timeout=30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    app = create_app(async_engine, ServerSettings(served_model_names=[MODEL]))
+    with app_in_thread(app, lambda a: make_runner(a, TransportLimits())) as url:
+        yield Live(url, engine, async_engine, faults)
     async_engine.shutdown()
 
 

@@ -34,7 +34,7 @@ try:  # the HTTP library this openai client is built on
 except ImportError:  # pragma: no cover
     import httpx
 
-from conftest import MODEL_NAME, SMALL_ARGS, ServerProcess, assert_error, metric_value, start_server
+from conftest import MODEL_NAME, SMALL_ARGS, Response, ServerProcess, assert_error, metric_value, start_server
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "My favourite food is"]
 REF_PROMPT = "The capital of France is"
@@ -135,44 +135,40 @@ def dechunk(data: bytes) -> bytes:
         i = j + 2 + size + 2
 
 
-class RawResponse:
+class RawResponse(Response):
+    """A response parsed from the raw bytes of a connection."""
+
     def __init__(self, raw: bytes) -> None:
         head, _, rest = raw.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         assert lines[0].startswith("HTTP/1."), raw[:300]
-        self.status = int(lines[0].split()[1])
-        self.headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+        headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        if headers.get("transfer-encoding", "").lower() == "chunked":
             rest = dechunk(rest)
-        elif "content-length" in self.headers:
-            rest = rest[:int(self.headers["content-length"])]
-        self.body = rest
+        elif "content-length" in headers:
+            rest = rest[:int(headers["content-length"])]
+        super().__init__(int(lines[0].split()[1]), headers, rest)
 
-    @property
-    def text(self) -> str:
-        return self.body.decode()
 
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-    def __repr__(self) -> str:
-        return f"<{self.status} {self.headers} {self.body[:500]!r}>"
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or resets) the connection."""
+    chunks = []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def raw_exchange(srv: ServerProcess, data: bytes, timeout: float = 30.0) -> bytes:
     """Send `data` on a new connection and read until the server closes it."""
     with socket.create_connection((srv.host, srv.port), timeout=timeout) as sock:
         sock.sendall(data)
-        chunks = []
-        while True:
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    return b"".join(chunks)
+        return read_until_closed(sock)
 
 
 def raw_request(srv: ServerProcess, method: str, path: str, body: Any = None, *,
@@ -442,15 +438,7 @@ def test_half_body_gets_408_or_a_close_within_the_body_timeout(fresh_server) -> 
     with socket.create_connection((fresh_server.host, fresh_server.port), timeout=10) as sock:
         t0 = time.monotonic()
         sock.sendall(head + body[:10])
-        data = b""
-        while True:
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            data += chunk
+        data = read_until_closed(sock)
         elapsed = time.monotonic() - t0
     assert 0.8 <= elapsed <= 1.0 + 3.0, elapsed
     if data:
