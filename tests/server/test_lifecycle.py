@@ -275,7 +275,9 @@ SERVE_FLAGS = ["--model", "--host", "--port", "--served-model-name", "--api-key"
                "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--block-size",
                "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
                "--tensor-parallel-size", "--seed", "--chat-template", "--max-logprobs", "--max-num-queued-reqs",
-               "--disable-log-stats", "--log-level", "--warmup", "--no-warmup"]
+               "--disable-log-stats", "--log-level", "--warmup", "--no-warmup", "--shutdown-timeout",
+               "--trust-request-chat-template", "--max-stop-strings", "--timeout-keep-alive", "--http-header-timeout",
+               "--http-body-timeout"]
 
 
 def test_help_explains_serve_and_every_flag() -> None:
