@@ -146,11 +146,8 @@ class Engine:
         self.kv.reset_prefix_cache()
 
     def snapshot(self) -> EngineSnapshot:
-        return self.core.snapshot()
-
-    def metrics(self) -> dict[str, float]:
         """Counters and gauges for monitoring (call on the thread that runs the steps)."""
-        return self.core.snapshot().as_dict()
+        return self.core.snapshot()
 
     # ---- offline API ---------------------------------------------------------------------------
 

@@ -62,13 +62,13 @@ class InputProcessor:
 
     # ---- text -> token ids ---------------------------------------------------------------------
 
-    def _require_tokenizer(self, param: str) -> Any:
+    def require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: pass prompts as token ids", param=param)
         return self.tokenizer
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        tok = self._require_tokenizer(param)
+        tok = self.require_tokenizer(param)
         if len(text) > self.max_prompt_chars:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your {param} has "
@@ -83,7 +83,7 @@ class InputProcessor:
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation rendered by `chat_template` (default: the model's), sandboxed and
         time-limited. Raises RequestError(param="messages")."""
-        tok = self._require_tokenizer("messages")
+        tok = self.require_tokenizer("messages")
         template = chat_template or tok.chat_template
         if not template:
             raise RequestError("this model has no chat template; start the server with --chat-template",

@@ -156,12 +156,6 @@ async def _on_worker(state: ServerState, fn: Callable[..., Any], *args: Any) -> 
         raise from_value_error(e) from None
 
 
-def _require_tokenizer(inputs: Any) -> Any:
-    if inputs.tokenizer is None:
-        raise ProtocolError("this model has no tokenizer")
-    return inputs.tokenizer
-
-
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
     state = request.app[STATE]
@@ -190,9 +184,8 @@ async def tokenize(request: web.Request) -> web.Response:
         add_special = bool(get_bool(body, "add_special_tokens", True))
 
         def run() -> tuple[list[int], list[str] | None]:
-            tok = _require_tokenizer(inputs)
-            ids = inputs.tokenize(prompt, add_special_tokens=add_special)
-            return ids, tok.convert_ids_to_tokens(ids) if return_strs else None
+            ids = inputs.tokenize(prompt, add_special_tokens=add_special)  # refuses a model without tokenizer
+            return ids, inputs.tokenizer.convert_ids_to_tokens(ids) if return_strs else None
 
     ids, strs = await _on_worker(state, run)
     return web.json_response({"count": len(ids), "max_model_len": state.settings.max_model_len, "tokens": ids,
@@ -208,5 +201,5 @@ async def detokenize(request: web.Request) -> web.Response:
         raise ProtocolError("`tokens` is required", param="tokens")
     ids = token_ids(body["tokens"], "tokens", state.settings.vocab_size, allow_empty=True)
     inputs = state.async_engine.input_processor
-    text = await _on_worker(state, lambda: _require_tokenizer(inputs).decode(ids))
+    text = await _on_worker(state, lambda: inputs.require_tokenizer("tokens").decode(ids))
     return web.json_response({"prompt": text})

@@ -75,18 +75,28 @@ def error_response(err: ProtocolError) -> web.Response:
     return web.json_response(err.envelope(), status=err.status, headers=err.headers, dumps=json.dumps)
 
 
-def from_value_error(e: ValueError, default_param: str | None = None) -> ProtocolError:
-    """Map a ValueError from SamplingParams or the input processor to a 400 naming the field."""
-    message = str(e)
+def from_value_error(e: ValueError, default_param: str | None = None,
+                     renames: dict[str, str] | None = None) -> ProtocolError:
+    """Map a ValueError from SamplingParams or the input processor to a 400 naming the field;
+    `renames` maps engine field names to the names the client used (max_tokens ->
+    max_completion_tokens, prompt -> messages)."""
+    err = ProtocolError(str(e), param=_value_error_param(e, default_param))
+    if renames and err.param in renames:
+        err.param = renames[err.param]
+    return err
+
+
+def _value_error_param(e: ValueError, default_param: str | None) -> str | None:
     param = getattr(e, "param", None)  # paxserve.input_processor.RequestError names its field
     if param is not None:
-        return ProtocolError(message, param=param)
+        return param
+    message = str(e)
     match = _SAMPLING_FIELD.search(message)
     if match:
-        return ProtocolError(message, param=match.group(1))
+        return match.group(1)
     if message.startswith("prompt:"):
-        return ProtocolError(message, param=default_param or "prompt")
-    return ProtocolError(message, param=default_param)
+        return default_param or "prompt"
+    return default_param
 
 
 def from_http_exception(e: web.HTTPException, request: web.Request) -> ProtocolError:
@@ -120,6 +130,12 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     except Exception:  # noqa: BLE001 - the server stays up; the client gets a 500 envelope
         logger.exception("unexpected error while serving %s %s", request.method, request.path)
         return error_response(internal_error())
+
+
+def engine_stopped() -> ProtocolError:
+    """The 503 for any request once the engine has died (the process is about to exit)."""
+    return ProtocolError("The engine has stopped and cannot serve requests; the server is exiting so that its "
+                         "supervisor can restart it.", status=503)
 
 
 def internal_error() -> ProtocolError:

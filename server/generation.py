@@ -21,7 +21,7 @@ from typing import Any
 
 from paxserve.outputs import RequestOutput
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
-from server.errors import ProtocolError, from_value_error, internal_error
+from server.errors import ProtocolError, engine_stopped, from_value_error, internal_error
 from server.metrics import RequestTracker, ServerMetrics
 from server.prompts import PromptInput
 
@@ -34,8 +34,7 @@ class ServerShutdown(Exception):
 
 def engine_failure(async_engine: Any, e: BaseException) -> ProtocolError:
     if not async_engine.is_alive:
-        return ProtocolError("The engine has stopped and cannot serve requests; the server is exiting so that its "
-                             "supervisor can restart it.", status=503)
+        return engine_stopped()
     logger.error("a request failed in the engine", exc_info=e)
     return internal_error()
 
@@ -86,10 +85,6 @@ class GenerationRun:
         if item.error is not None:  # a failed engine step ended it: a 500, the server goes on
             raise ProtocolError(item.error, status=500)
         return i, item
-
-    @property
-    def done(self) -> bool:
-        return all(self.finished)
 
     def shutdown(self) -> None:
         """The server is stopping: wake the handler, which ends the response, and abort."""

@@ -16,13 +16,6 @@ class PromptInput:
     token_ids: list[int]
 
 
-def _protocol_error(e: ValueError, param: str, renames: dict[str, str] | None = None) -> ProtocolError:
-    err = from_value_error(e, param)
-    if renames and err.param in renames:
-        err.param = renames[err.param]
-    return err
-
-
 def render_prompts(inputs: Any, spec: GenerationSpec, server_chat_template: str | None) -> list[PromptInput]:
     """Token ids for every prompt of the request (one for chat), each checked against the context:
     the prompt must leave room, and prompt + max_tokens must fit (vLLM's 400s). `inputs` is the
@@ -51,5 +44,5 @@ def render_prompts(inputs: Any, spec: GenerationSpec, server_chat_template: str 
     except ProtocolError:
         raise
     except ValueError as e:
-        raise _protocol_error(e, param, renames) from None
+        raise from_value_error(e, param, renames) from None
     return prompts

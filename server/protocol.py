@@ -268,9 +268,7 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, r
             skip_special_tokens=bool(get_bool(body, "skip_special_tokens", True)),
         )
     except ValueError as e:
-        err = from_value_error(e)
-        err.param = renames.get(err.param, err.param)
-        raise err from None
+        raise from_value_error(e, renames=renames) from None
 
 
 def _check_logprobs(value: int | None, name: str, settings: ServerSettings) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from server.errors import ProtocolError
+from server.errors import ProtocolError, engine_stopped
 from server.generation import GenerationRun
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
@@ -25,8 +25,7 @@ class ServerState:
 
     def check_serving(self) -> None:
         if not self.async_engine.is_alive:
-            raise ProtocolError("The engine has stopped and cannot serve requests; the server is exiting so that its "
-                                "supervisor can restart it.", status=503)
+            raise engine_stopped()
         if self.shutting_down:
             raise ProtocolError("The server is shutting down and accepts no new requests.", status=503,
                                 headers={"Connection": "close"})
