@@ -1,7 +1,8 @@
 """Attention kernels over the paged KV cache, each with a pure-`jnp` reference beside it."""
 
+from pallas_kernels.alibi import alibi_slopes
 from pallas_kernels.kv_cache import KVCache
-from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
+from pallas_kernels.metadata import NO_WINDOW, NULL_BLOCK, AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference, write_kv_reference
 from pallas_kernels.ragged_paged_attention import RaggedPagedAttentionConfig, ragged_paged_attention
 from pallas_kernels.paged_attention import PagedDecodeAttentionConfig, paged_decode_attention
@@ -16,6 +17,7 @@ from pallas_kernels.self_check import self_check_attention
 
 __all__ = [
     "ATTENTION_BACKEND_OPTIONS",
+    "NO_WINDOW",
     "NULL_BLOCK",
     "REFERENCE",
     "AttentionBackend",
@@ -23,6 +25,7 @@ __all__ = [
     "KVCache",
     "PagedDecodeAttentionConfig",
     "RaggedPagedAttentionConfig",
+    "alibi_slopes",
     "attention",
     "paged_decode_attention",
     "ragged_paged_attention",

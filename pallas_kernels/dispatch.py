@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.attention_args import Window
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import (
@@ -62,17 +63,25 @@ def attention(
     *,
     sm_scale: float,
     backend: AttentionBackend = REFERENCE,
-    sliding_window: int | None = None,
+    sliding_window: Window = None,
     soft_cap: float | None = None,
+    alibi_slopes: Float[Array, " H"] | None = None,
 ) -> Float[Array, "T H D"]:
-    """Ragged paged attention (see `ragged_paged_attention_reference`) on the chosen backend."""
+    """Ragged paged attention (see `ragged_paged_attention_reference`) on the chosen backend.
+
+    sliding_window: None, a Python int >= 1 (ValueError otherwise) or an int32 scalar that may be
+      traced (a per-layer window scanned over layers; `NO_WINDOW` for a global layer).
+    alibi_slopes: None or float32 [num_heads] (`alibi_slopes(num_heads)` gives Falcon's), added as
+      `slope[h] * (key position - query position)` to q.k before `sm_scale`.
+    """
     if backend.name == "pallas":
         return ragged_paged_attention(
             q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, config=backend.config, interpret=backend.interpret,
+            soft_cap=soft_cap, alibi_slopes=alibi_slopes, config=backend.config, interpret=backend.interpret,
         )
     return ragged_paged_attention_reference(
-        q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        alibi_slopes=alibi_slopes,
     )
 
 
@@ -86,6 +95,8 @@ def resolve_attention_backend(
     block_size: int,
     dtype: jnp.dtype,
     self_check: Callable[..., str | None] | None = self_check_attention,
+    sliding_window: int | None = None,
+    alibi: bool = False,
 ) -> AttentionBackend:
     """The backend for an engine option on a platform (`jax.devices()[0].platform`).
 
@@ -99,6 +110,10 @@ def resolve_attention_backend(
     self_check: called once as `self_check(backend, num_heads=..., num_kv_heads=..., head_dim=...,
       block_size=..., dtype=...)` when the Pallas kernel is chosen for a GPU (never for interpret
       mode); returns None if the kernel works, else the reason it does not. None skips the check.
+    sliding_window, alibi: the model's attention variants (its largest window, whether it uses
+      ALiBi); when given they are passed on to `self_check` as keyword arguments of the same names
+      so the kernel is also checked on them (left out when not given, so a `self_check` that does
+      not know them keeps working).
     """
     if option not in ATTENTION_BACKEND_OPTIONS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_OPTIONS)}, got {option!r}")
@@ -125,6 +140,10 @@ def resolve_attention_backend(
         return backend
     shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                   dtype=dtype)
+    if sliding_window is not None:
+        shapes["sliding_window"] = sliding_window
+    if alibi:
+        shapes["alibi"] = True
     start = time.perf_counter()
     try:
         failure = self_check(backend, **shapes)

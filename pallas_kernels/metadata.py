@@ -14,6 +14,10 @@ from flax import struct
 from jaxtyping import Array, Int
 
 NULL_BLOCK = 0
+# A sliding window that hides nothing, for the global layers of a windowed model whose per-layer
+# window is a scanned (traced) int32 value and so cannot be None. 2**30 is past any context this
+# engine serves and keeps `position - window` and `position + window` inside int32.
+NO_WINDOW = 2**30
 
 
 @struct.dataclass

@@ -10,8 +10,11 @@ and sums the splits. Key ranges past a sequence's context are empty and cost one
 loads are masked to the context, so unused pages (even NaN) are never read.
 
 Semantics: sequence s's token sits at position `context_lens[s] - 1` (its K/V already written) and
-attends to all cached positions (with a sliding window W: the last W); `soft_cap` applies
-`cap * tanh(score / cap)`; sequences with context length 0 (padding) give zeros.
+attends to all cached positions (with a sliding window W: the last W); ALiBi adds
+`slope[h] * (key position - query position)` before the scale; `soft_cap` applies
+`cap * tanh(score / cap)`; sequences with context length 0 (padding) give zeros. The window is a
+run-time scalar input (one compiled kernel for every layer of a scan) and the slopes an [H] input;
+neither is in the kernel when not given.
 `paged_decode_attention_reference` beside it states the same contract through the ragged reference.
 
 The engine's mixed step uses `ragged_paged_attention`; this kernel serves pure-decode batches and is
@@ -21,7 +24,6 @@ measured against JAX's own Pallas paged attention in `benchmarks/gpu_check.py`.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -30,9 +32,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.attention_args import Window, slopes_operand, window_operand
+from pallas_kernels.kernel_checks import MIN_DOT, check_options, is_pow2, next_pow2, validate_q_and_cache
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention import _MIN_DOT, _SQUEEZED, _is_pow2, _next_pow2, validate_q_and_cache
+from pallas_kernels.ragged_paged_attention import _SQUEEZED
 
 __all__ = ["PagedDecodeAttentionConfig", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -56,8 +60,8 @@ class PagedDecodeAttentionConfig:
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        if self.kv_tokens is not None and (not _is_pow2(self.kv_tokens) or self.kv_tokens < _MIN_DOT):
-            raise ValueError(f"kv_tokens must be a power of two >= {_MIN_DOT}, got {self.kv_tokens}")
+        if self.kv_tokens is not None and (not is_pow2(self.kv_tokens) or self.kv_tokens < MIN_DOT):
+            raise ValueError(f"kv_tokens must be a power of two >= {MIN_DOT}, got {self.kv_tokens}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
         if self.num_stages < 1:
@@ -68,38 +72,45 @@ class PagedDecodeAttentionConfig:
 
 
 def _kernel(
-    layer_ref,  # [1] int32
-    block_tables_ref,  # [S, B] int32, B = num_splits * pages_per_split
-    context_lens_ref,  # [S] int32
-    q_ref,  # [S, G, D] this program's KV group
-    k_ref,  # [L, N, P, D] this program's KV head
-    v_ref,  # [L, N, P, D]
-    acc_ref,  # [num_splits, S, G, D] float32, unnormalised
-    m_ref,  # [num_splits, S, G] float32 running max (-inf: nothing seen)
-    l_ref,  # [num_splits, S, G] float32 running sum
-    *,
+    *refs,
     group: int,
     rows: int,
     kv_tokens: int,
     split_tokens: int,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
+    windowed: bool,
+    alibi: bool,
 ):
-    seq, split = pl.program_id(0), pl.program_id(2)
+    """refs, in order:
+    scalars_ref  [1 or 2] int32: layer, and the window if `windowed`
+    block_tables_ref  [S, B] int32, B = num_splits * pages_per_split
+    context_lens_ref  [S] int32
+    slopes_ref  [H] float32, only if `alibi`
+    q_ref  [S, G, D] this program's KV group
+    k_ref, v_ref  [L, N, P, D] this program's KV head
+    acc_ref  [num_splits, S, G, D] float32, unnormalised
+    m_ref  [num_splits, S, G] float32 running max (-inf: nothing seen)
+    l_ref  [num_splits, S, G] float32 running sum
+    """
+    scalars_ref, block_tables_ref, context_lens_ref, *slopes, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
     table_width = block_tables_ref.shape[1]
-    layer = layer_ref[0]
+    layer = scalars_ref[0]
     ctx = context_lens_ref[seq]
 
     # Rows past the group repeat its last head: same values to the same address, no store mask needed.
     head = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), group - 1)
     d = jnp.arange(head_dim, dtype=jnp.int32)
     q = q_ref[seq, head[:, None], d[None, :]]  # [rows, D]
+    slope = slopes[0][kv_head * group + head] if alibi else None  # [rows]
 
-    lo = split * split_tokens  # this split's keys: [lo, hi)
-    if sliding_window is not None:
-        lo = jnp.maximum(lo, ctx - sliding_window)
+    # This split's keys: [lo, hi). The loop starts at lo's step, so keys before the window (a traced
+    # window too) are never loaded.
+    lo = split * split_tokens
+    if windowed:
+        lo = jnp.maximum(lo, ctx - scalars_ref[1])
     hi = jnp.minimum((split + 1) * split_tokens, ctx)
     j = jnp.arange(kv_tokens, dtype=jnp.int32)
 
@@ -112,7 +123,10 @@ def _kernel(
         load_mask = jnp.broadcast_to(key_ok[:, None], (kv_tokens, head_dim))
         k = plgpu.load(k_ref.at[where], mask=load_mask, other=0)
         v = plgpu.load(v_ref.at[where], mask=load_mask, other=0)
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if alibi:  # before the scale, as Hugging Face Falcon adds it; the query sits at ctx - 1
+            scores += slope[:, None] * (key_pos - (ctx - 1)).astype(jnp.float32)[None, :]
+        scores = scores * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(key_ok[None, :], scores, -jnp.inf)
@@ -162,15 +176,16 @@ def _launch_shape(num_seqs: int, num_kv_heads: int, head_dim: int, block_size: i
     return kv_tokens, num_splits, steps_per_split * pages_per_step
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret"))
 def _paged_decode_attention(
-    q: Array, k_cache: Array, v_cache: Array, layer: Array, block_tables: Array, context_lens: Array, *,
-    sm_scale: float, sliding_window: int | None, soft_cap: float | None, config: PagedDecodeAttentionConfig,
-    interpret: bool,
+    q: Array, k_cache: Array, v_cache: Array, layer: Array, block_tables: Array, context_lens: Array,
+    sliding_window: Array | int | None, alibi_slopes: Array | None, *,
+    sm_scale: float, soft_cap: float | None, config: PagedDecodeAttentionConfig, interpret: bool,
 ) -> Array:
     num_seqs, num_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    rows = max(_MIN_DOT, _next_pow2(group))
+    rows = max(MIN_DOT, next_pow2(group))
     width = block_tables.shape[1]
     kv_tokens, num_splits, pages_per_split = _launch_shape(num_seqs, num_kv_heads, head_dim, block_size, width,
                                                            config)
@@ -183,10 +198,17 @@ def _paged_decode_attention(
     per_head = pl.BlockSpec(block_shape=(num_layers, num_blocks, block_size, _SQUEEZED, head_dim),
                             index_map=lambda s, h, k: (0, 0, 0, h, 0))
     partial_shape = (num_splits, num_seqs, num_kv_heads, group)
+    window = window_operand(sliding_window)
+    slopes = slopes_operand(alibi_slopes)
+    scalars = jnp.asarray(layer, jnp.int32).reshape(1)
+    if window is not None:
+        scalars = jnp.concatenate([scalars, window.reshape(1)])
     kernel = functools.partial(
         _kernel, group=group, rows=rows, kv_tokens=kv_tokens, split_tokens=pages_per_split * block_size,
-        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
+        sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
+        windowed=window is not None, alibi=slopes is not None,
     )
+    head_inputs = ([full((num_heads,))], [slopes]) if slopes is not None else ([], [])
     acc, m, l = pl.pallas_call(
         kernel,
         out_shape=(
@@ -196,9 +218,10 @@ def _paged_decode_attention(
         ),
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[
-            full((1,)),
+            full(scalars.shape),
             full(tables.shape),
             full((num_seqs,)),
+            *head_inputs[0],
             pl.BlockSpec(block_shape=(num_seqs, _SQUEEZED, group, head_dim), index_map=lambda s, h, k: (0, h, 0, 0)),
             per_head,
             per_head,
@@ -212,14 +235,13 @@ def _paged_decode_attention(
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), tables, context_lens.astype(jnp.int32), q4, k_cache, v_cache)
+    )(scalars, tables, context_lens.astype(jnp.int32), *head_inputs[1], q4, k_cache, v_cache)
     return _combine(acc, m, l).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
 # ---- public entry and reference ------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def paged_decode_attention(
     q: Float[Array, "S H D"],
     k_cache: Float[Array, "L N P K D"],
@@ -229,12 +251,18 @@ def paged_decode_attention(
     context_lens: Int[Array, " S"],
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: Window = None,
     soft_cap: float | None = None,
+    alibi_slopes: Float[Array, " H"] | None = None,
     config: PagedDecodeAttentionConfig = PagedDecodeAttentionConfig(),
     interpret: bool = False,
 ) -> Float[Array, "S H D"]:
     """One decode token per sequence attending to its paged context (Pallas/Triton, split-K).
+
+    The token of sequence s sits at `qp = context_lens[s] - 1` and sees cache positions kp with
+    `qp - W < kp <= qp` (W = sliding_window, none if None); the score of query head h is
+    `(q.k + alibi_slopes[h] * (kp - qp)) * sm_scale` (ALiBi only if given), then
+    `soft_cap * tanh(score / soft_cap)` if `soft_cap`. Keys before the window are never read.
 
     Args:
       q: [num_seqs, num_heads, head_dim] (float32, bfloat16 or float16), the token at position
@@ -243,7 +271,11 @@ def paged_decode_attention(
         with this step's K/V already written.
       layer: layer of the stacked cache (int or int32 scalar, may be traced).
       block_tables: [num_seqs, max_blocks] block ids; context_lens: [num_seqs] (0 = padding).
-      sm_scale, sliding_window, soft_cap: as in `ragged_paged_attention_reference`.
+      sm_scale, soft_cap: static, as in `ragged_paged_attention_reference`.
+      sliding_window: None (no window code), a Python int >= 1 (ValueError otherwise), or an int32
+        scalar that may be traced (not checkable; clamped to [1, NO_WINDOW]; `NO_WINDOW` means no
+        window). One compiled kernel serves every window value.
+      alibi_slopes: None (no ALiBi code) or float32 [num_heads], a dynamic array.
       config: tuning knobs (split count, keys per step, warps, stages).
       interpret: run with the Pallas interpreter (CPU tests).
     """
@@ -251,15 +283,10 @@ def paged_decode_attention(
     if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
         raise ValueError(f"block_tables [S, B] and context_lens [S] must match q's S={q.shape[0]}; got "
                          f"{block_tables.shape}, {context_lens.shape}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap!r}")
-    if not math.isfinite(float(sm_scale)):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale!r}")
+    window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "paged_decode_attention")
     return _paged_decode_attention(
-        q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), block_tables, context_lens, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, config=config, interpret=interpret,
+        q, k_cache, v_cache, layer, block_tables, context_lens, window, alibi_slopes, sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret,
     )
 
 
@@ -283,11 +310,13 @@ def paged_decode_attention_reference(
     context_lens: Int[Array, " S"],
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: Window = None,
     soft_cap: float | None = None,
+    alibi_slopes: Float[Array, " H"] | None = None,
 ) -> Float[Array, "S H D"]:
-    """Pure `jnp` reference: the ragged reference on a one-token-per-sequence batch."""
+    """Pure `jnp` reference: the ragged reference on a one-token-per-sequence batch (same window and
+    ALiBi contract as `paged_decode_attention`)."""
     return ragged_paged_attention_reference(
         q, k_cache, v_cache, layer, decode_metadata(block_tables, context_lens), sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
     )

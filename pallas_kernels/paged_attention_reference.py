@@ -18,6 +18,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.attention_args import (
+    Window,
+    check_alibi_slopes,
+    check_sliding_window,
+    slopes_operand,
+    window_operand,
+)
 from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
 
 # Cache positions gathered (as K and V) per loop iteration, over all its work items together:
@@ -53,19 +60,36 @@ def ragged_paged_attention_reference(
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: Window = None,
     soft_cap: float | None = None,
+    alibi_slopes: Float[Array, " H"] | None = None,
 ) -> Float[Array, "T H D"]:
     """Causal attention of each new token to its own sequence's cached context.
 
     Token t of sequence s (query length n, context length c) sits at position
-    `c - n + (t - query_start_loc[s])` and attends to cache positions `<=` that (and, with a
-    sliding window W, `> position - W`). Padding tokens produce zeros. Masked cache entries are
-    never mixed into the result, so garbage (even NaN) in unused pages cannot leak.
+    `qp = c - n + (t - query_start_loc[s])` and attends to cache positions kp with `kp <= qp`
+    (and, with a sliding window W, `kp > qp - W`). Query head h reads KV head
+    `h // (num_heads // num_kv_heads)`. Its score is `(q.k + slope[h] * (kp - qp)) * sm_scale`
+    (the ALiBi term only with `alibi_slopes`; added before the scale, as Hugging Face Falcon does),
+    then `soft_cap * tanh(score / soft_cap)` if `soft_cap`, then the mask and the softmax.
+    Padding tokens produce zeros. Masked cache entries are never mixed into the result, so garbage
+    (even NaN) in unused pages cannot leak, and KV chunks wholly before a query block's window are
+    never gathered.
+
+    sliding_window: None (no window), a Python int >= 1 (checked here, ValueError otherwise), or an
+      integer scalar array that may be traced, e.g. a per-layer window scanned over layers (not
+      checked; clamped to [1, NO_WINDOW]). A global layer of a windowed model passes `NO_WINDOW`.
+    alibi_slopes: None, or float32 [num_heads] (a dynamic array; see `alibi_slopes(num_heads)`).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    entry = "ragged_paged_attention_reference"
+    window = window_operand(check_sliding_window(sliding_window, entry))
+    check_alibi_slopes(alibi_slopes, num_heads, entry)
+    slopes = slopes_operand(alibi_slopes)
+    if slopes is not None:
+        slopes = slopes.reshape(num_kv_heads, group)[None, :, None, :, None]  # [1, K, 1, G, 1] like the scores
     # Pure decode buckets (at most one token per sequence on average) take one token per block.
     block_q = min(64, 1 << max(0, (num_tokens // metadata.num_seqs).bit_length() - 1))
     qb_seq, qb_index, num_real_qb = metadata.query_blocks(num_tokens, block_q)
@@ -84,10 +108,10 @@ def ragged_paged_attention_reference(
     # Work items: query block b needs chunks first[b] .. last[b], enumerated block after block.
     big = jnp.iinfo(jnp.int32).max
     last = jnp.max(jnp.where(qb_ok, pos, 0), axis=1) // chunk
-    if sliding_window is None:
+    if window is None:
         first = jnp.zeros_like(last)
-    else:
-        first = jnp.maximum(jnp.min(jnp.where(qb_ok, pos, big), axis=1) - sliding_window + 1, 0) // chunk
+    else:  # `big - window` cannot overflow: window >= 1
+        first = jnp.maximum(jnp.min(jnp.where(qb_ok, pos, big), axis=1) - window + 1, 0) // chunk
     items_per_qb = jnp.where(jnp.any(qb_ok, axis=1), last - first + 1, 0)
     item_end = jnp.cumsum(items_per_qb)
     num_items = item_end[-1]
@@ -111,10 +135,16 @@ def ragged_paged_attention_reference(
         key_pos = c[:, None] * chunk + span  # [I, chunk]
         qpos = pos[qb]  # [I, bq]
         mask = (key_pos[:, None, :] <= qpos[:, :, None]) & (qb_ok[qb] & (w < num_items)[:, None])[:, :, None]
-        if sliding_window is not None:
-            mask &= key_pos[:, None, :] > qpos[:, :, None] - sliding_window
+        if window is not None:
+            mask &= key_pos[:, None, :] > qpos[:, :, None] - window
         s = jnp.einsum("ibkgd,ilkd->ikbgl", q_blocks[qb], k.astype(jnp.float32),
-                       preferred_element_type=jnp.float32) * sm_scale
+                       preferred_element_type=jnp.float32)
+        if slopes is not None:
+            # Relative distance (<= 0 where visible): HF's slope * kp differs by a per-row constant,
+            # which softmax ignores, and this stays small at long contexts.
+            dist = (key_pos[:, None, :] - qpos[:, :, None]).astype(jnp.float32)  # [I, bq, chunk]
+            s = s + slopes * dist[:, None, :, None, :]
+        s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         m5 = mask[:, None, :, None, :]  # [I, 1, bq, 1, chunk]

@@ -22,6 +22,9 @@ Work decomposition (all shapes static):
 * Every K/V load is masked by "this key is in the context and in range for this block": masked
   lanes are not read at all on the GPU (and are zero in interpret mode), so unused pages (even full of
   NaN) never reach the result; scores of disallowed keys are -inf before the softmax.
+* The sliding window is a run-time scalar (the third entry of the kernel's int32 scalars), so one
+  compiled kernel serves every layer of a `lax.scan` whatever its window; ALiBi slopes are an [H]
+  float32 input. Neither is in the kernel at all when not given.
 * Padding tokens belong to no work item: the output starts as zeros (an aliased zero buffer) and
   only real rows are stored, so padding tokens come out as exact zeros, as in the reference.
 
@@ -38,7 +41,6 @@ precision in the Triton lowering), so the kernel body is backend-neutral and als
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -47,6 +49,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.attention_args import Window, slopes_operand, window_operand
+from pallas_kernels.kernel_checks import (
+    MIN_DOT,
+    check_options,
+    is_pow2,
+    next_pow2,
+    supports_ragged_paged_attention,
+    validate_q_and_cache,
+)
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 
@@ -57,8 +68,6 @@ __all__ = [
     "supports_ragged_paged_attention",
 ]
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MIN_DOT = 16  # smallest M, N and K a Triton tensor-core dot accepts
 # `pl.squeezed` is the newer spelling of a squeezed block dimension; `None` is the older one.
 _SQUEEZED = getattr(pl, "squeezed", None)
 
@@ -79,56 +88,54 @@ class RaggedPagedAttentionConfig:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        if not _is_pow2(self.query_rows) or self.query_rows < _MIN_DOT:
-            raise ValueError(f"query_rows must be a power of two >= {_MIN_DOT}, got {self.query_rows}")
-        if self.kv_tokens is not None and (not _is_pow2(self.kv_tokens) or self.kv_tokens < _MIN_DOT):
-            raise ValueError(f"kv_tokens must be a power of two >= {_MIN_DOT}, got {self.kv_tokens}")
+        if not is_pow2(self.query_rows) or self.query_rows < MIN_DOT:
+            raise ValueError(f"query_rows must be a power of two >= {MIN_DOT}, got {self.query_rows}")
+        if self.kv_tokens is not None and (not is_pow2(self.kv_tokens) or self.kv_tokens < MIN_DOT):
+            raise ValueError(f"kv_tokens must be a power of two >= {MIN_DOT}, got {self.kv_tokens}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
-def _is_pow2(n: int) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 # ---- kernel --------------------------------------------------------------------------------------
 
 
 def _kernel(
-    scalars_ref,  # [2] int32: layer, number of real work items
-    block_tables_ref,  # [S, B] int32, B a multiple of pages per step
-    context_lens_ref,  # [S] int32
-    query_start_loc_ref,  # [S + 1] int32
-    item_seq_ref,  # [W] int32: sequence of each work item
-    item_qblock_ref,  # [W] int32: query block of each work item within its sequence
-    q_ref,  # [T, G, D] this program's KV group
-    k_ref,  # [L, N, P, D] this program's KV head
-    v_ref,  # [L, N, P, D]
-    zeros_ref,  # [T, G, D] aliased with the output (its initial zeros); never read
-    o_ref,  # [T, G, D]
-    *,
+    *refs,
     block_q: int,
     group: int,
     group_pad: int,
     kv_tokens: int,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
+    windowed: bool,
+    alibi: bool,
 ):
-    del zeros_ref
-    item = pl.program_id(0)
+    """refs, in order:
+    scalars_ref  [2 or 3] int32: layer, number of real work items, and the window if `windowed`
+    block_tables_ref  [S, B] int32, B a multiple of pages per step
+    context_lens_ref  [S] int32
+    query_start_loc_ref  [S + 1] int32
+    item_seq_ref  [W] int32: sequence of each work item
+    item_qblock_ref  [W] int32: query block of each work item within its sequence
+    slopes_ref  [H] float32, only if `alibi`
+    q_ref  [T, G, D] this program's KV group
+    k_ref, v_ref  [L, N, P, D] this program's KV head
+    zeros_ref  [T, G, D] aliased with the output (its initial zeros); never read
+    o_ref  [T, G, D]
+    """
+    (scalars_ref, block_tables_ref, context_lens_ref, query_start_loc_ref, item_seq_ref, item_qblock_ref,
+     *slopes, q_ref, k_ref, v_ref, _zeros_ref, o_ref) = refs
+    # Program ids are read here: the interpreter does not replace them inside the `pl.when` body.
+    item, kv_head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
     table_width = block_tables_ref.shape[1]
 
     @pl.when(item < scalars_ref[1])
     def _():
         layer = scalars_ref[0]
+        window = scalars_ref[2] if windowed else None
         seq = item_seq_ref[item]
         q_start = query_start_loc_ref[seq]
         q_end = query_start_loc_ref[seq + 1]
@@ -147,11 +154,13 @@ def _kernel(
         q_pos = ctx - (q_end - token)  # cache position of each row's token
         d = jnp.arange(head_dim, dtype=jnp.int32)
         q = q_ref[token[:, None], head[:, None], d[None, :]]  # [rows, D]
+        slope = slopes[0][kv_head * group + head] if alibi else None  # [rows]
 
-        # Keys any row of this block may see: [lo, hi].
+        # Keys any row of this block may see: [lo, hi]. The key loop starts at lo's step, so steps
+        # wholly before the window (a traced window too) are never loaded.
         first_pos = ctx - (q_end - first_token)
         hi = jnp.minimum(first_pos + block_q - 1, ctx - 1)
-        lo = jnp.int32(0) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+        lo = jnp.int32(0) if window is None else jnp.maximum(first_pos - window + 1, 0)
         j = jnp.arange(kv_tokens, dtype=jnp.int32)
 
         def step(kb, carry):
@@ -168,12 +177,15 @@ def _kernel(
 
             scores = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            ) * sm_scale  # [rows, kv_tokens]
+            )  # [rows, kv_tokens]
+            if alibi:  # before the scale, as Hugging Face Falcon adds it
+                scores += slope[:, None] * (key_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
+            scores = scores * sm_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             allowed = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
-            if sliding_window is not None:
-                allowed &= key_pos[None, :] > q_pos[:, None] - sliding_window
+            if window is not None:
+                allowed &= key_pos[None, :] > q_pos[:, None] - window
             scores = jnp.where(allowed, scores, -jnp.inf)
 
             m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
@@ -202,27 +214,31 @@ def _kernel(
 def _launch_shape(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   config: RaggedPagedAttentionConfig) -> tuple[int, int, int, int]:
     group = num_heads // num_kv_heads
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     block_q = max(1, config.query_rows // group_pad)
     kv_tokens = config.kv_tokens or (32 if head_dim >= 256 else 64)
     kv_tokens = max(kv_tokens, block_size)
     return group, group_pad, block_q, kv_tokens
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret"))
 def _ragged_paged_attention(
-    q: Array, k_cache: Array, v_cache: Array, layer: Array, metadata: AttentionMetadata, *,
-    sm_scale: float, sliding_window: int | None, soft_cap: float | None,
-    config: RaggedPagedAttentionConfig, interpret: bool,
+    q: Array, k_cache: Array, v_cache: Array, layer: Array, metadata: AttentionMetadata,
+    sliding_window: Array | int | None, alibi_slopes: Array | None, *,
+    sm_scale: float, soft_cap: float | None, config: RaggedPagedAttentionConfig, interpret: bool,
 ) -> Array:
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = metadata.num_seqs
     group, group_pad, block_q, kv_tokens = _launch_shape(num_heads, num_kv_heads, head_dim, block_size, config)
     pages_per_step = kv_tokens // block_size
+    window = window_operand(sliding_window)
+    slopes = slopes_operand(alibi_slopes)
 
     item_seq, item_qblock, num_items = metadata.query_blocks(num_tokens, block_q)
     max_items = item_seq.shape[0]
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), num_items.astype(jnp.int32)])
+    scalars = [jnp.asarray(layer, jnp.int32).reshape(()), num_items.astype(jnp.int32)]
+    scalars = jnp.stack(scalars if window is None else [*scalars, window])
     tables = metadata.block_tables.astype(jnp.int32)
     width = tables.shape[1]
     if width % pages_per_step:  # every step reads whole groups of table entries
@@ -236,88 +252,41 @@ def _ragged_paged_attention(
     )
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, group_pad=group_pad, kv_tokens=kv_tokens, sm_scale=float(sm_scale),
-        sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
+        soft_cap=None if soft_cap is None else float(soft_cap), windowed=window is not None,
+        alibi=slopes is not None,
     )
+    head_inputs = ([full((num_heads,))], [slopes]) if slopes is not None else ([], [])
+    in_specs = [full(scalars.shape), full(tables.shape), full((num_seqs,)), full((num_seqs + 1,)),
+                full((max_items,)), full((max_items,)), *head_inputs[0], per_group, per_head, per_head, per_group]
+    args = [scalars, tables, metadata.context_lens.astype(jnp.int32), metadata.query_start_loc.astype(jnp.int32),
+            item_seq, item_qblock, *head_inputs[1], q4, k_cache, v_cache, jnp.zeros_like(q4)]
     num_warps = config.num_warps or (8 if block_q * group_pad * head_dim >= 64 * 256 else 4)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         grid=(max_items, num_kv_heads),
-        in_specs=[
-            full((2,)),
-            full(tables.shape),
-            full((num_seqs,)),
-            full((num_seqs + 1,)),
-            full((max_items,)),
-            full((max_items,)),
-            per_group,
-            per_head,
-            per_head,
-            per_group,
-        ],
+        in_specs=in_specs,
         out_specs=per_group,
-        input_output_aliases={9: 0},
+        input_output_aliases={len(args) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(
-        scalars, tables, metadata.context_lens.astype(jnp.int32), metadata.query_start_loc.astype(jnp.int32),
-        item_seq, item_qblock, q4, k_cache, v_cache, jnp.zeros_like(q4),
-    )
+    )(*args)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
 # ---- public entry --------------------------------------------------------------------------------
 
 
-def supports_ragged_paged_attention(
-    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: jnp.dtype
-) -> str | None:
-    """None if the kernel serves these shapes, else the reason it does not."""
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        return f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
-    if not _is_pow2(head_dim) or head_dim < _MIN_DOT:
-        return f"head_dim={head_dim} must be a power of two >= {_MIN_DOT}"
-    if not _is_pow2(block_size):
-        return f"block_size={block_size} must be a power of two"
-    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} is not one of {', '.join(d.name for d in SUPPORTED_DTYPES)}"
-    return None
-
-
-def validate_q_and_cache(q: Array, k_cache: Array, v_cache: Array, kernel: str) -> None:
-    """Checks shared by the kernels' entry points: q [rows, H, D], caches [L, N, P, K, D] alike, one
-    dtype, and shapes the kernels support."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [rows, num_heads, head_dim], got shape {q.shape}")
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must both be [num_layers, num_blocks, block_size, num_kv_heads, "
-                         f"head_dim], got {k_cache.shape} and {v_cache.shape}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if k_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head_dim of q ({q.shape[-1]}) and of the cache ({k_cache.shape[-1]}) differ")
-    reason = supports_ragged_paged_attention(q.shape[1], k_cache.shape[3], q.shape[2], k_cache.shape[2], q.dtype)
-    if reason:
-        raise ValueError(f"{kernel}: {reason}")
-
-
-def _validate(q: Array, k_cache: Array, v_cache: Array, metadata: AttentionMetadata,
-              sliding_window: int | None, soft_cap: float | None) -> None:
-    validate_q_and_cache(q, k_cache, v_cache, "ragged_paged_attention")
+def _validate_metadata(metadata: AttentionMetadata) -> None:
     s = metadata.context_lens.shape
     if len(s) != 1 or metadata.query_start_loc.shape != (s[0] + 1,) or metadata.block_tables.shape[:1] != s:
         raise ValueError(
             "metadata: context_lens [S], query_start_loc [S + 1] and block_tables [S, B] disagree: "
             f"{metadata.context_lens.shape}, {metadata.query_start_loc.shape}, {metadata.block_tables.shape}"
         )
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def ragged_paged_attention(
     q: Float[Array, "T H D"],
     k_cache: Float[Array, "L N P K D"],
@@ -326,8 +295,9 @@ def ragged_paged_attention(
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: Window = None,
     soft_cap: float | None = None,
+    alibi_slopes: Float[Array, " H"] | None = None,
     config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig(),
     interpret: bool = False,
 ) -> Float[Array, "T H D"]:
@@ -335,27 +305,34 @@ def ragged_paged_attention(
 
     Same contract as `ragged_paged_attention_reference`: token t of sequence s (query length n,
     context length c, this step's K/V already written) sits at position
-    `c - n + (t - query_start_loc[s])` and attends to cache positions `<=` that (and, with a sliding
-    window W, `> position - W`); `soft_cap` applies `cap * tanh(score / cap)`; padding tokens give
-    zeros; pages outside a sequence's context are never read.
+    `qp = c - n + (t - query_start_loc[s])` and attends to cache positions kp `<= qp` (and, with a
+    sliding window W, `> qp - W`); the score of query head h is
+    `(q.k + alibi_slopes[h] * (kp - qp)) * sm_scale` (ALiBi only if given), then
+    `soft_cap * tanh(score / soft_cap)` if `soft_cap`; padding tokens give zeros; pages outside a
+    sequence's context or wholly before a query block's window are never read.
 
     Args:
       q: [num_tokens, num_heads, head_dim] in float32, bfloat16 or float16.
       k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim], q's dtype.
       layer: which layer of the stacked cache to read (int or int32 scalar, may be traced).
       metadata: the step's `AttentionMetadata` (slot_mapping and logits_indices are not used).
-      sm_scale: score scale, usually head_dim ** -0.5.
-      sliding_window, soft_cap: optional, as in the reference.
+      sm_scale: score scale, usually head_dim ** -0.5 (static).
+      sliding_window: None (no window code in the kernel), a Python int >= 1 (ValueError
+        otherwise), or an int32 scalar that may be traced (a per-layer window scanned over layers;
+        not checkable, clamped to [1, NO_WINDOW]; `NO_WINDOW` means no window). One compiled
+        kernel serves every window value.
+      soft_cap: optional, > 0 (static).
+      alibi_slopes: None (no ALiBi code) or float32 [num_heads], a dynamic array.
       config: tuning knobs.
       interpret: run the kernel with the Pallas interpreter (CPU tests) instead of Triton.
 
     Requirements: num_heads a multiple of num_kv_heads; head_dim a power of two >= 16; block_size a
     power of two. Raises ValueError otherwise (`supports_ragged_paged_attention` checks ahead).
     """
-    _validate(q, k_cache, v_cache, metadata, sliding_window, soft_cap)
-    if not math.isfinite(float(sm_scale)):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale!r}")
+    validate_q_and_cache(q, k_cache, v_cache, "ragged_paged_attention")
+    _validate_metadata(metadata)
+    window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "ragged_paged_attention")
     return _ragged_paged_attention(
-        q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), metadata, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, config=config, interpret=interpret,
+        q, k_cache, v_cache, layer, metadata, window, alibi_slopes, sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret,
     )

@@ -5,7 +5,8 @@ found before the first step (and `resolve_attention_backend` can fall back to th
 The batch has the model's head counts, head_dim, block size and dtype, and covers what a real
 step does: a prompt chunk from position 0, a chunk on top of cached context, decode tokens (one at
 a block boundary, one whose context spans several key steps), a padding sequence and padding
-tokens, pages in random order, and every unused page (and the null block) full of NaN.
+tokens, pages in random order, and every unused page (and the null block) full of NaN. A model
+with a sliding window or ALiBi has the batch checked on those variants too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.alibi import alibi_slopes
 from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 
@@ -30,6 +32,9 @@ _NUM_LAYERS = 2
 _LAYER = 1  # the layer read; layer 0 holds finite garbage, so reading the wrong layer shows
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 _MAX_REASON = 300
+# One jit for every check, so that checks of the same shapes (several backends, repeated checks)
+# compile the reference once.
+_reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale",))
 
 
 def tolerance_for(dtype: jnp.dtype) -> float:
@@ -98,6 +103,24 @@ def _problem(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
     return q, k_cache, v_cache, metadata, num_tokens
 
 
+def _variants(num_heads: int, block_size: int, sliding_window: int | None, alibi: bool) -> list[tuple[str, dict]]:
+    """(label, extra attention kwargs) per variant to check; the plain one has no label."""
+    variants: list[tuple[str, dict]] = [("", {})]
+    window = None
+    if sliding_window is not None:
+        # The problem's longest context is 64 + block_size + 3: a window this short skips whole key
+        # steps and pages there, which a model's real window (512, 4096) would not. Passed as an
+        # array, so it is traced as the model's scanned per-layer window is.
+        window = jnp.asarray(max(1, min(int(sliding_window), block_size + 1)), jnp.int32)
+        variants.append((f"sliding_window={int(window)}", {"sliding_window": window}))
+    if alibi:
+        kwargs = {"alibi_slopes": jnp.asarray(alibi_slopes(num_heads))}
+        if window is not None:
+            kwargs["sliding_window"] = window
+        variants.append(("alibi" + (f", sliding_window={int(window)}" if window is not None else ""), kwargs))
+    return variants
+
+
 def self_check_attention(
     backend: AttentionBackend,
     *,
@@ -107,32 +130,52 @@ def self_check_attention(
     block_size: int,
     dtype: jnp.dtype,
     seed: int = 0,
+    sliding_window: int | None = None,
+    alibi: bool = False,
 ) -> str | None:
     """Run `attention(...)` on `backend` once on a small random paged batch with the model's shapes
     and compare it with `ragged_paged_attention_reference` on the same device.
 
-    Returns None when the outputs of the real tokens agree (finite, and
-    max|out - ref| / max|ref| below `tolerance_for(dtype)`), else a short reason:
-    "compile/run failed: <ExceptionType>: <first line>" or "mismatch: ...". Never raises (an
+    sliding_window: the model's window, if it has one: the batch is checked once more with a
+      traced window (capped to block_size + 1, so that the small batch really skips keys).
+    alibi: the model uses ALiBi: checked once more with `alibi_slopes(num_heads)` (and the window,
+      if given).
+
+    Returns None when the outputs of the real tokens agree in every variant (finite, and
+    max|out - ref| / max|ref| below `tolerance_for(dtype)`), else a short reason for the first
+    variant that does not: "compile/run failed: <ExceptionType>: <first line>" or "mismatch: ...",
+    followed by " (with <variant>)" for a variant other than the plain one. Never raises (an
     exception of any kind, XLA runtime errors included, becomes the reason).
     """
-    from pallas_kernels.dispatch import attention  # here: dispatch imports this module
-
     try:
         q_np, k_np, v_np, md_np, n = _problem(num_heads, num_kv_heads, head_dim, block_size, seed)
         dt = jnp.dtype(dtype)
         q, k_cache, v_cache = (jnp.asarray(x, dtype=dt) for x in (q_np, k_np, v_np))
         metadata = AttentionMetadata(*(jnp.asarray(x) for x in md_np))
-        layer = jnp.asarray(_LAYER, jnp.int32)
-        sm_scale = float(head_dim) ** -0.5
-        ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))(
-            q, k_cache, v_cache, layer, metadata)
+        variants = _variants(num_heads, block_size, sliding_window, alibi)
+    except Exception as error:  # noqa: BLE001 - the check must never raise
+        return f"reference failed: {_describe(error)}"
+    for label, kwargs in variants:
+        reason = _check_one(backend, q, k_cache, v_cache, metadata, n, head_dim, kwargs)
+        if reason is not None:
+            return f"{reason} (with {label})" if label else reason
+    return None
+
+
+def _check_one(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               metadata: AttentionMetadata, n: int, head_dim: int, kwargs: dict) -> str | None:
+    from pallas_kernels.dispatch import attention  # here: dispatch imports this module
+
+    layer = jnp.asarray(_LAYER, jnp.int32)
+    sm_scale = float(head_dim) ** -0.5
+    try:
+        ref = _reference(q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, **kwargs)
         ref = np.asarray(jax.block_until_ready(ref)).astype(np.float64)[:n]
     except Exception as error:  # noqa: BLE001 - the check must never raise
         return f"reference failed: {_describe(error)}"
     try:
         out = jax.jit(functools.partial(attention, sm_scale=sm_scale, backend=backend))(
-            q, k_cache, v_cache, layer, metadata)
+            q, k_cache, v_cache, layer, metadata, **kwargs)
         out = jax.block_until_ready(out)
         if out.shape != q.shape or out.dtype != q.dtype:
             return f"mismatch: output is {out.dtype.name}{list(out.shape)}, expected {q.dtype.name}{list(q.shape)}"
@@ -144,7 +187,7 @@ def self_check_attention(
         return f"mismatch: {bad} of {out.size} output values are NaN or inf"
     scale = float(np.max(np.abs(ref)))
     rel = float(np.max(np.abs(out - ref))) / (scale if scale > 0 else 1.0)
-    tol = tolerance_for(dt)
+    tol = tolerance_for(q.dtype)
     if not rel < tol:
         return f"mismatch: max relative error {rel:.3g} > tol {tol:g}"
     return None

@@ -2,7 +2,8 @@
 
 Cases come from `test_reference_attention.make_case` (random every run, shuffled pages, unused pages
 and the null block full of NaN) with one decode token per sequence; splits that cover no keys,
-padding sequences (context 0), sliding windows and soft caps are all exercised.
+padding sequences (context 0), sliding windows and soft caps are all exercised (ALiBi and traced
+windows in interpret mode: `test_attention_variants.py`; lowered for CUDA here).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.pallas_kernels.test_reference_attention import LAYER, Seq, make_case
 print(f"test_paged_attention: PAXSERVE_TEST_SEED={ref_tests.BASE_SEED}")
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
-_reference = jax.jit(paged_decode_attention_reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+_reference = jax.jit(paged_decode_attention_reference, static_argnames=("sm_scale", "soft_cap"))
 
 
 def decode_case(label: str, block_size: int, group: int, dtype: np.dtype, head_dim: int = 32, max_blocks: int = 4):
@@ -136,3 +137,27 @@ def test_lowers_for_cuda(block_size: int, head_dim: int, dtype: jnp.dtype) -> No
 def test_lowers_for_cuda_variants(kwargs: dict) -> None:
     assert_lowers(256, 64, 16, 8, 4, 128, jnp.bfloat16, sm_scale=0.0883, **kwargs)
     assert_lowers(3, 7, 16, 2, 3, 64, jnp.float16, sm_scale=0.125, **kwargs)  # odd sizes, group of 3
+
+
+@pytest.mark.parametrize(
+    ("traced_window", "alibi", "soft_cap"),
+    [(True, False, None), (False, True, None), (True, True, 30.0)],
+    ids=["traced-window", "alibi", "traced-window-alibi-softcap"],
+)
+def test_lowers_for_cuda_traced_window_and_alibi(traced_window: bool, alibi: bool, soft_cap: float | None) -> None:
+    """The window as a traced int32 scalar and the ALiBi slopes as an [H] input, at a large and an
+    odd shape (group of 3)."""
+    for shape, scale in (((256, 64, 16, 8, 4, 128, jnp.bfloat16), 0.0883), ((3, 7, 16, 2, 3, 64, jnp.float16), 0.125)):
+        num_heads = shape[3] * shape[4]
+        extra = ([jax.ShapeDtypeStruct((), jnp.int32)] if traced_window else []) + (
+            [jax.ShapeDtypeStruct((num_heads,), jnp.float32)] if alibi else [])
+
+        def fn(q, k, v, layer, tables, lens, *extra):  # noqa: ANN001, ANN002, ANN202
+            extra = list(extra)
+            window = extra.pop(0) if traced_window else None
+            slopes = extra.pop(0) if alibi else None
+            return paged_decode_attention(q, k, v, layer, tables, lens, sm_scale=scale, sliding_window=window,
+                                          soft_cap=soft_cap, alibi_slopes=slopes)
+
+        text = lower_for_cuda(fn, *abstract_args(*shape), *extra)
+        assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the CUDA lowering"

@@ -6,8 +6,8 @@ page and the null block full of NaN, layer 0 holding finite garbage), written wi
 write, then attended by the kernel (`interpret=True`) and by the reference. Relative error on the
 real tokens: float32 < 1e-5, bfloat16/float16 < 1e-2; padding tokens must be exact zeros.
 
-Lowering: every block size x head dim x dtype, every GQA ratio, the sliding-window and soft-cap
-variants and the tuning knobs are lowered for CUDA on this CPU machine, so a Triton lowering error
+Lowering: every block size x head dim x dtype, every GQA ratio, the sliding-window (static and
+traced), ALiBi and soft-cap variants and the tuning knobs are lowered for CUDA on this CPU machine, so a Triton lowering error
 fails here without a GPU.
 """
 
@@ -36,7 +36,7 @@ from tests.pallas_kernels.test_reference_attention import LAYER, Case, Seq, make
 print(f"test_ragged_paged_attention: PAXSERVE_TEST_SEED={ref_tests.BASE_SEED}")
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
-_reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+_reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap"))
 
 
 def written_cache(case: Case) -> tuple[jax.Array, jax.Array]:
@@ -246,6 +246,31 @@ def test_lowers_for_cuda_every_group(group: int) -> None:
 )
 def test_lowers_for_cuda_variants(kwargs: dict) -> None:
     assert_lowers(128, 16, 32, 16, 8, 4, 128, jnp.bfloat16, sm_scale=0.0883, **kwargs)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("traced_window", "alibi", "soft_cap"),
+    [(True, False, None), (False, True, None), (True, True, 30.0)],
+    ids=["traced-window", "alibi", "traced-window-alibi-softcap"],
+)
+def test_lowers_for_cuda_traced_window_and_alibi(traced_window: bool, alibi: bool, soft_cap: float | None,
+                                                 group: int) -> None:
+    """The window as a traced int32 scalar (a scanned per-layer window) and ALiBi slopes as an
+    [H] input reach the Triton kernel as run-time inputs."""
+    q, k, v, layer, md = abstract_args(96, 8, 16, 16, 2, group, 128, jnp.bfloat16)
+    extra = ([jax.ShapeDtypeStruct((), jnp.int32)] if traced_window else []) + (
+        [jax.ShapeDtypeStruct((2 * group,), jnp.float32)] if alibi else [])
+
+    def fn(q, k, v, layer, md, *extra):  # noqa: ANN001, ANN002, ANN202
+        extra = list(extra)
+        window = extra.pop(0) if traced_window else None
+        slopes = extra.pop(0) if alibi else None
+        return ragged_paged_attention(q, k, v, layer, md, sm_scale=0.0883, sliding_window=window, soft_cap=soft_cap,
+                                      alibi_slopes=slopes)
+
+    text = lower_for_cuda(fn, q, k, v, layer, md, *extra)
+    assert "__gpu$xla.gpu.triton" in text, "no Triton kernel in the CUDA lowering"
 
 
 def test_lowers_for_cuda_decode_shapes_and_odd_sizes() -> None:

@@ -31,7 +31,7 @@ print(f"test_reference_attention: PAXSERVE_TEST_SEED={BASE_SEED}")
 NUM_LAYERS = 2
 LAYER = 1  # the layer under test; layer 0 must never be read or written
 
-_attention = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+_attention = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap"))
 _write = jax.jit(write_kv_reference)
 
 
@@ -178,7 +178,7 @@ def naive_attention(
     soft_cap: float | None = None,
 ) -> np.ndarray:
     """Dense causal softmax attention per sequence in float64 over K/V gathered by block table."""
-    bs, group = case.block_size, case.group
+    group = case.group
     out = np.zeros(case.q.shape, np.float64)
     t = 0
     for s, table in zip(case.seqs, case.block_tables):

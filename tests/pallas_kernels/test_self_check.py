@@ -124,3 +124,36 @@ def test_resolve_runs_the_check_once_only_for_the_gpu_kernel(caplog: pytest.LogC
     assert resolve_attention_backend("auto", "gpu", **TINY, self_check=raising) == REFERENCE
     with pytest.raises(ValueError, match="boom"):
         resolve_attention_backend("pallas", "gpu", **TINY, self_check=raising)
+
+
+def test_self_check_covers_the_models_window_and_alibi(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreted kernel passes every variant; a kernel that ignores one fails on that one, named."""
+    assert self_check_attention(PALLAS_INTERPRET, **TINY, sliding_window=4096, alibi=True, seed=5) is None
+
+    def without(option: str):  # noqa: ANN202
+        def kernel(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            for name in (option, "config", "interpret"):
+                kwargs.pop(name, None)
+            return ragged_paged_attention_reference(*args, **kwargs)
+        return kernel
+
+    monkeypatch.setattr(dispatch, "ragged_paged_attention", without("sliding_window"))
+    reason = self_check_attention(PALLAS_INTERPRET, **TINY, sliding_window=4096)
+    # The window is capped to block_size + 1 so that the small batch really skips keys.
+    assert reason is not None and reason.startswith("mismatch: ") and reason.endswith("(with sliding_window=9)")
+    monkeypatch.setattr(dispatch, "ragged_paged_attention", without("alibi_slopes"))
+    reason = self_check_attention(PALLAS_INTERPRET, **TINY, sliding_window=2, alibi=True)
+    # The plain and the window variants pass; ALiBi is checked with the window too.
+    assert reason is not None and reason.startswith("mismatch: ") and reason.endswith("(with alibi, sliding_window=2)")
+
+
+def test_resolve_passes_the_variants_to_the_check_only_when_given() -> None:
+    calls = []
+
+    def passing(backend: AttentionBackend, **kwargs) -> None:  # noqa: ANN003
+        calls.append(kwargs)
+
+    assert resolve_attention_backend("auto", "gpu", **TINY, self_check=passing) == PALLAS
+    assert resolve_attention_backend("auto", "gpu", **TINY, self_check=passing, sliding_window=512) == PALLAS
+    assert resolve_attention_backend("pallas", "gpu", **TINY, self_check=passing, alibi=True) == PALLAS
+    assert calls == [TINY, {**TINY, "sliding_window": 512}, {**TINY, "alibi": True}]
