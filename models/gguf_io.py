@@ -1,13 +1,20 @@
-"""GGUF files (llama.cpp's format) read without torch: config, tensors and tokenizer.
+"""GGUF files (llama.cpp's format) presented like a Hugging Face checkpoint, without torch.
 
-Tensors are dequantized with the `gguf` package and renamed to the Hugging Face layout, undoing the
-row permutation llama.cpp applies to Q and K, so one converter serves both formats. The tokenizer is
-rebuilt with `tokenizers` from the vocabulary and merges stored in the file's metadata.
+`GGUFCheckpoint` gives the config dict transformers builds for the file (`hf_config`) and the
+tensors under the names and values transformers' modeling code expects (`read`), dequantized with
+the `gguf` package. Architectures: llama (Llama, Mistral, SmolLM...), qwen2, qwen3, gemma3.
+
+Why not call transformers' own GGUF loader (`modeling_gguf_pytorch_utils.load_gguf_checkpoint`)?
+It needs torch, which paxserve does not have at run time, and it works out the tensor names from a
+torch model instance. So the config keys come from its table (`GGUF_CONFIG_MAPPING`) and go through
+its config classes; the tensor names and value transforms are written out below and checked
+against it by tests/models/test_gguf_*.py.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +22,44 @@ import gguf
 import numpy as np
 from gguf import quants
 
-# GGUF `general.architecture` -> Hugging Face `architectures` name.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
-_LAYER_NAMES = {
+_ATTENTION = {
     "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+    **{f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}" for g, h in
+       (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")) for kind in ("weight", "bias")},
+}
+_MLP = {f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """How one GGUF `general.architecture` maps onto its transformers model."""
+
+    hf_architecture: str
+    model_type: str  # transformers' config `model_type`
+    layer_names: dict[str, str]  # GGUF name after `blk.{i}.` -> HF name after `model.layers.{i}.`
+    permuted_qk: bool = False  # llama.cpp interleaves Q/K rows (only its llama converter does)
+    norm_plus_one: bool = False  # llama.cpp stores Gemma norm weights as w + 1
+    has_head_dim: bool = True  # the config class has a `head_dim` field (Qwen2Config has not)
+    has_bias_flag: bool = True  # `attention_bias` is a config field (Qwen2 always has q/k/v biases)
+
+
+# Written out rather than derived from `gguf`'s TensorNameMap (HF -> GGUF for every model family at
+# once, so it cannot say which HF name a GGUF tensor has in *this* family); transformers derives it
+# from a model instance. Mistral GGUFs are `llama` files: llama.cpp runs them as Llama (no window).
+_LLAMA_LIKE = {**_ATTENTION, **_MLP, "ffn_norm.weight": "post_attention_layernorm.weight"}
+_ARCHS = {
+    "llama": _Arch("LlamaForCausalLM", "llama", _LLAMA_LIKE, permuted_qk=True),
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LIKE, has_head_dim=False, has_bias_flag=False),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LIKE, **_QK_NORM}),
+    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", {
+        **_ATTENTION, **_MLP, **_QK_NORM,
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }, norm_plus_one=True),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -39,25 +67,30 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    m = _BLOCK.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+# llama.cpp's rope scaling keys -> transformers' `rope_parameters` keys (yarn's extras included).
+_ROPE_SCALING_KEYS = {
+    "factor": ("factor", float),
+    "original_context_length": ("original_max_position_embeddings", int),
+    "attn_factor": ("attention_factor", float),
+    "yarn_beta_fast": ("beta_fast", float),
+    "yarn_beta_slow": ("beta_slow", float),
+}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of each head's rotary halves (rows 2i, 2i+1 -> i, i + D/2)."""
+    """Undo llama.cpp's interleaving of each head's rotary halves (rows 2i, 2i+1 -> i, i + D/2);
+    the same reshape as transformers' `LlamaTensorProcessor._reverse_permute_weights`."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def model_type_of(gguf_arch: str | None) -> str | None:
+    """transformers' `model_type` for a GGUF architecture (None for one paxserve does not map)."""
+    return _ARCHS[gguf_arch].model_type if gguf_arch in _ARCHS else None
+
+
 class GGUFCheckpoint:
-    """A GGUF file presented like a safetensors checkpoint: HF names, numpy tensors."""
+    """A GGUF file presented like a safetensors checkpoint: HF config, HF names, numpy tensors."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -67,72 +100,156 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from None
         self.metadata: dict[str, Any] = {}
         for key, field in self.reader.fields.items():
-            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                       "tokenizer.ggml.scores"):
+            if key in _BIG_ARRAYS:
                 continue  # large arrays, read on demand by the tokenizer
             try:
                 self.metadata[key] = field.contents()
             except Exception:  # noqa: BLE001 - an unreadable metadata entry we do not use
                 continue
         self.arch = self.metadata.get("general.architecture")
+        spec = _ARCHS.get(self.arch)
+        self._gguf_names = {t.name for t in self.reader.tensors}
         self._tensors = {}
         self._unknown: list[str] = []
         for t in self.reader.tensors:
-            hf = _hf_name(t.name)
+            hf = self._hf_name(t.name, spec)
             if hf is None:
                 self._unknown.append(t.name)
             else:
                 self._tensors[hf] = t
 
+    @staticmethod
+    def _hf_name(name: str, spec: _Arch | None) -> str | None:
+        if spec is None:
+            return None
+        if name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[name]
+        m = _BLOCK.match(name)
+        if m and m.group(2) in spec.layer_names:
+            return f"model.layers.{m.group(1)}.{spec.layer_names[m.group(2)]}"
+        return None
+
     def field(self, key: str) -> Any:
         return self.reader.fields[key].contents() if key in self.reader.fields else None
 
-    def hf_config(self) -> dict[str, Any]:
-        """The metadata as a Hugging Face `config.json` dict."""
-        if self.arch not in _ARCHITECTURES:
+    def _spec(self) -> _Arch:
+        if self.arch not in _ARCHS:
             raise ValueError(
-                f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(sorted(_ARCHITECTURES))}"
+                f"{self.path}: GGUF architecture {self.arch!r} is not supported; "
+                f"supported: {', '.join(sorted(_ARCHS))}"
             )
+        return _ARCHS[self.arch]
+
+    def hf_config(self) -> dict[str, Any]:
+        """The config dict transformers builds for this file, as `save_pretrained` writes it
+        (`config.to_diff_dict()`), with `architectures` set."""
+        from transformers import AutoConfig
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+        spec, a, md = self._spec(), self.arch, self.metadata
+        self._check_supported()
+        # What `load_gguf_checkpoint` does for these architectures: rename keys by its table, tie the
+        # embeddings when there is no output matrix, count the vocabulary when the file does not say.
+        # (transformers treats a llama file named exactly "mistral" as MistralForCausalLM; same tensors
+        # and maths, so paxserve keeps Llama.)
+        raw: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(spec.model_type, {}))
+        for prefix, table in ((a, GGUF_CONFIG_MAPPING[a]), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
+            for suffix, hf_key in table.items():
+                if hf_key is not None and f"{prefix}.{suffix}" in md:
+                    raw[hf_key] = md[f"{prefix}.{suffix}"]
+        for required in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                         "rms_norm_eps"):
+            if required not in raw:
+                gguf_key = next(f"{a}.{k}" for k, v in GGUF_CONFIG_MAPPING[a].items() if v == required)
+                raise ValueError(f"{self.path}: GGUF metadata lacks {gguf_key!r}")
+        raw["tie_word_embeddings"] = "output.weight" not in self._gguf_names
+        if "vocab_size" not in raw:
+            if "tokenizer.ggml.tokens" not in self.reader.fields:
+                raise ValueError(f"{self.path}: GGUF metadata lacks {a}.vocab_size and tokenizer.ggml.tokens")
+            raw["vocab_size"] = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        raw |= self._deviations(spec)
+        config = AutoConfig.for_model(spec.model_type, **raw)
+        return {"architectures": [spec.hf_architecture], **config.to_diff_dict()}
+
+    def _check_supported(self) -> None:
+        """Features of the file that change the model's maths and that paxserve cannot express."""
         a, md = self.arch, self.metadata
-        need = lambda key: md[f"{a}.{key}"]  # noqa: E731
-        try:
-            n_heads = int(need("attention.head_count"))
-            hidden = int(need("embedding_length"))
-            cfg: dict[str, Any] = {
-                "architectures": [_ARCHITECTURES[a]],
-                "hidden_size": hidden,
-                "num_hidden_layers": int(need("block_count")),
-                "num_attention_heads": n_heads,
-                "num_key_value_heads": int(md.get(f"{a}.attention.head_count_kv", n_heads)),
-                "head_dim": int(md.get(f"{a}.attention.key_length", md.get(f"{a}.rope.dimension_count",
-                                                                          hidden // n_heads))),
-                "intermediate_size": int(need("feed_forward_length")),
-                "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-                "rope_theta": float(md.get(f"{a}.rope.freq_base", 10000.0)),
-                "max_position_embeddings": int(md.get(f"{a}.context_length", 2048)),
-                "vocab_size": int(md.get(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens"))),
-                "tie_word_embeddings": "lm_head.weight" not in self._tensors,
-                "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
-                "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-                "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
-            }
-        except KeyError as e:
-            raise ValueError(f"{self.path}: GGUF metadata lacks {e.args[0]!r}") from None
-        scaling = md.get(f"{a}.rope.scaling.type")
-        if scaling in ("linear", "yarn"):
-            cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(md[f"{a}.rope.scaling.factor"])}
-            if f"{a}.rope.scaling.original_context_length" in md:
-                cfg["rope_scaling"]["original_max_position_embeddings"] = int(
-                    md[f"{a}.rope.scaling.original_context_length"]
-                )
-        elif scaling not in (None, "none"):
-            raise ValueError(f"{self.path}: GGUF rope scaling {scaling!r} is not supported")
-        if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
+        if "rope_freqs.weight" in self._gguf_names:
             raise ValueError(
                 f"{self.path}: GGUF files with per-frequency rope factors (rope_freqs.weight, Llama 3.1 style) "
                 "are not supported yet; load the Hugging Face checkpoint directory instead"
             )
-        return cfg
+        if md.get(f"{a}.expert_count"):
+            raise ValueError(f"{self.path}: mixture-of-experts GGUF files ({a}.expert_count="
+                             f"{md[f'{a}.expert_count']}) are not supported")
+        k_len, v_len = md.get(f"{a}.attention.key_length"), md.get(f"{a}.attention.value_length")
+        if k_len is not None and v_len is not None and k_len != v_len:
+            raise ValueError(f"{self.path}: GGUF key_length {k_len} != value_length {v_len} is not supported")
+        rot = md.get(f"{a}.rope.dimension_count")
+        head_dim = k_len if k_len is not None else rot
+        if rot is not None and head_dim is not None and rot != head_dim:
+            raise ValueError(f"{self.path}: partial rotary embeddings (rope.dimension_count {rot} of head_dim "
+                             f"{head_dim}) are not supported")
+        scaling = md.get(f"{a}.rope.scaling.type")
+        if scaling not in (None, "none", "linear", "yarn"):
+            raise ValueError(f"{self.path}: GGUF rope scaling {scaling!r} is not supported for {a}")
+
+    def _deviations(self, spec: _Arch) -> dict[str, Any]:
+        """Where transformers' GGUF config reading drops something the file says (it reads none
+        of these keys), set from the file so the model computes what llama.cpp computes. Each is
+        absent from ordinary files of these models, so there the dict equals transformers'."""
+        a, md, out = self.arch, self.metadata, {}
+        k_len = md.get(f"{a}.attention.key_length")
+        if k_len is not None and spec.has_head_dim:
+            out["head_dim"] = int(k_len)  # transformers' qwen3 table ignores it (Qwen3Config's 128 stands)
+        elif k_len is not None and k_len != md[f"{a}.embedding_length"] // md[f"{a}.attention.head_count"]:
+            raise ValueError(f"{self.path}: {a} with head_dim {k_len} != hidden_size / heads is not supported")
+        if spec.has_bias_flag and "blk.0.attn_q.bias" in self._gguf_names:
+            out["attention_bias"] = True  # transformers would build the model without them and drop them
+        rope = self._rope_scaling()
+        if a == "gemma3":
+            local_theta = md.get(f"{a}.rope.freq_base_swa")
+            types = self._gemma3_layer_types()
+            if types is not None:
+                out["layer_types"] = types
+            if rope or local_theta is not None:  # otherwise leave the class's defaults, as transformers does
+                theta = float(md.get(f"{a}.rope.freq_base", 1_000_000.0))
+                out["rope_parameters"] = {
+                    "full_attention": {"rope_type": "default", "rope_theta": theta, **rope},
+                    "sliding_attention": {"rope_type": "default",
+                                          "rope_theta": float(10_000.0 if local_theta is None else local_theta)},
+                }
+        elif rope:
+            out["rope_parameters"] = {"rope_theta": float(md.get(f"{a}.rope.freq_base", 10_000.0)), **rope}
+        return out
+
+    def _rope_scaling(self) -> dict[str, Any]:
+        a, md = self.arch, self.metadata
+        scaling = md.get(f"{a}.rope.scaling.type")
+        if scaling in (None, "none"):
+            return {}
+        out: dict[str, Any] = {"rope_type": scaling}
+        for suffix, (key, cast) in _ROPE_SCALING_KEYS.items():
+            if f"{a}.rope.scaling.{suffix}" in md:
+                out[key] = cast(md[f"{a}.rope.scaling.{suffix}"])
+        if "factor" not in out:
+            raise ValueError(f"{self.path}: GGUF rope scaling {scaling!r} without {a}.rope.scaling.factor")
+        return out
+
+    def _gemma3_layer_types(self) -> list[str] | None:
+        """llama.cpp assumes Gemma 3's 5 local : 1 global pattern, as transformers' default does;
+        a file that states a pattern (an interval, or one flag per layer) is followed."""
+        pattern = self.metadata.get("gemma3.attention.sliding_window_pattern")
+        if pattern is None:
+            return None
+        n = int(self.metadata["gemma3.block_count"])
+        if isinstance(pattern, list):
+            if len(pattern) != n:
+                raise ValueError(f"{self.path}: sliding_window_pattern has {len(pattern)} entries for {n} layers")
+            return ["sliding_attention" if swa else "full_attention" for swa in pattern]
+        if int(pattern) < 1:
+            raise ValueError(f"{self.path}: gemma3.attention.sliding_window_pattern {pattern} is not supported")
+        return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
 
     def names(self) -> set[str]:
         return set(self._tensors) | set(self._unknown)
@@ -142,12 +259,17 @@ class GGUFCheckpoint:
         return tuple(int(d) for d in reversed(t.shape.tolist()))  # GGML lists dims innermost first
 
     def read(self, name: str) -> np.ndarray:
-        t = self._tensors[name]
+        """The tensor as transformers' GGUF loader produces it: dequantized to float32, Q/K rows
+        un-permuted for llama, Gemma norms with llama.cpp's +1 taken off (`Gemma2TensorProcessor`)."""
+        spec, t = self._spec(), self._tensors[name]
         w = quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if spec.permuted_qk and ".self_attn.q_proj." in name:
             w = _unpermute(w, int(self.metadata[f"{self.arch}.attention.head_count"]))
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif spec.permuted_qk and ".self_attn.k_proj." in name:
             heads = self.metadata.get(f"{self.arch}.attention.head_count_kv",
                                       self.metadata[f"{self.arch}.attention.head_count"])
             w = _unpermute(w, int(heads))
+        if spec.norm_plus_one and t.name.endswith("norm.weight"):
+            w = w - 1
         return w
+
