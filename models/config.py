@@ -44,9 +44,20 @@ class RopeScaling:
             raise ValueError("rope_scaling of type 'llama3' needs original_max_position_embeddings")
 
 
+NORMS = ("rms", "rms_one_plus", "layer")
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
+PARALLEL_BLOCKS = ("none", "shared_norm", "two_norms")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Everything about a model's shape that the forward pass needs, read once from the checkpoint."""
+    """Everything about a model's shape that the forward pass needs, read once from the checkpoint.
+
+    The fields after `eos_token_ids` are the per-family decoder spec: which norm, where the norms
+    sit, what the attention adds (window per layer, a second RoPE table, ALiBi, soft-caps, q/k norm)
+    and which MLP. A family module (`models/families/`) maps its HF config onto them; the one decoder
+    (`models/decoder.py`) reads only these fields.
+    """
 
     architecture: str
     vocab_size: int
@@ -56,16 +67,32 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # the eps of every norm, whatever its kind
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on the q, k and v projections
     mlp_bias: bool = False
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # ---- decoder spec ----
+    o_bias: bool = False  # bias on the attention output projection
+    norm: str = "rms"  # "rms": w * x/rms(x); "rms_one_plus": (1 + w) * x/rms(x) in float32 (Gemma); "layer"
+    norm_bias: bool = False  # LayerNorm with a bias
+    sandwich_norm: bool = False  # extra norms on the attention and MLP outputs (Gemma 3)
+    parallel: str = "none"  # attention and MLP read the same input and add up (Falcon); see PARALLEL_BLOCKS
+    qk_norm: bool = False  # a norm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    alibi: bool = False  # ALiBi biases instead of RoPE (Falcon-RW)
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    gated_mlp: bool = True  # act(gate) * up, else act(up)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), rounded to the weight dtype (Gemma)
+    layer_windows: tuple[int, ...] = ()  # per layer; 0 (or an empty tuple) is full attention
+    local_rope_theta: float | None = None  # RoPE base of the windowed layers when it differs (Gemma 3)
+    local_rope_scaling: RopeScaling = RopeScaling()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -77,10 +104,24 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.alibi:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: silu")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm={self.norm!r} is not one of {', '.join(NORMS)}")
+        if self.parallel not in PARALLEL_BLOCKS:
+            raise ValueError(f"parallel={self.parallel!r} is not one of {', '.join(PARALLEL_BLOCKS)}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if self.local_rope_theta is not None and not any(self.layer_windows):
+            raise ValueError("local_rope_theta applies to windowed layers, but no layer has a window")
+        if any(not isinstance(w, int) or w < 0 for w in self.layer_windows):
+            raise ValueError(f"layer_windows must be integers >= 0 (0: full attention), got {self.layer_windows}")
+        for name in ("attn_soft_cap", "final_soft_cap", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"model config field {name} must be > 0 or None, got {value!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -91,17 +132,63 @@ class ModelConfig:
         """Bytes of K and V one token occupies in the cache across all layers, per byte of dtype."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The widest window of any windowed layer, or None when every layer sees the whole context."""
+        return max(self.layer_windows) or None if self.layer_windows else None
+
+    @property
+    def has_full_attention_layer(self) -> bool:
+        return not self.layer_windows or 0 in self.layer_windows
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    def describe(self) -> str:
+        """The decoder spec in plain words, for the start-up log."""
+        windowed = sum(1 for w in self.layer_windows if w)
+        if windowed == 0:
+            layers = f"{self.num_layers} layers, full attention"
+        elif windowed == self.num_layers:
+            layers = f"{self.num_layers} layers, all with a {self.sliding_window}-token sliding window"
+        else:
+            layers = (f"{self.num_layers} layers ({windowed} with a {self.sliding_window}-token sliding window, "
+                      f"{self.num_layers - windowed} global)")
+        heads = f"{self.num_heads} heads / {self.num_kv_heads} KV heads of {self.head_dim}"
+        if self.alibi:
+            position = "ALiBi"
+        else:
+            position = f"RoPE base {self.rope_theta:g}" + (
+                f" ({self.rope_scaling.rope_type} x{self.rope_scaling.factor:g})" if self.rope_scaling.rope_type != "default" else "")
+            if self.local_rope_theta is not None:
+                position += f", local layers {self.local_rope_theta:g}"
+        extras = [name for flag, name in (
+            (self.qk_norm, "q/k norm"), (self.sandwich_norm, "sandwich norms"), (self.parallel != "none", "parallel attention+MLP"),
+            (self.attn_soft_cap is not None, f"attention soft-cap {self.attn_soft_cap}"),
+            (self.final_soft_cap is not None, f"logit soft-cap {self.final_soft_cap}"),
+        ) if flag]
+        mlp = f"{'gated ' if self.gated_mlp else ''}{self.hidden_act} MLP"
+        return ", ".join([layers, heads, position, f"{self.norm} norm", mlp, *extras])
+
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+def rope_from_hf(hf: Mapping[str, Any], default_theta: float = 10000.0) -> tuple[float, RopeScaling]:
     """Read RoPE settings in both the transformers v4 (`rope_theta` + `rope_scaling`) and v5
     (`rope_parameters`) spellings, since checkpoints in the wild use either."""
     params = hf.get("rope_parameters") or {}
     scaling = dict(hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    merged = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
+    return rope_from_parameters(theta, {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}, hf)
+
+
+def rope_from_parameters(theta: float, merged: dict[str, Any], hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from one RoPE parameter dict (`rope_type` and its keys); `hf` supplies the
+    model's context length, which some scalings fall back to."""
+    merged = dict(merged)
+    merged.pop("rope_theta", None)
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     if rope_type == "default":
@@ -127,35 +214,20 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
 
 
 def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """Build a `ModelConfig` from the dict in a Hugging Face `config.json`."""
+    """Build a `ModelConfig` from the dict in a Hugging Face `config.json`, through the family module
+    registered for its `architectures` name."""
+    from models.registry import get_architecture  # the registry imports the families, which import this
+
     architectures = hf.get("architectures") or []
     if not architectures:
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
+    arch = get_architecture(architectures[0])
     try:
-        hidden = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        theta, scaling = _rope_from_hf(hf)
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return ModelConfig(
-            architecture=architectures[0],
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            intermediate_size=int(hf["intermediate_size"]),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            hidden_act=str(hf.get("hidden_act", "silu")),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        return arch.config_from_hf(hf)
     except KeyError as e:
         raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
+
+
+def eos_ids_from_hf(hf: Mapping[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

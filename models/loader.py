@@ -37,7 +37,7 @@ DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
 }
 # Bump when the params layout or a conversion changes, so stale cache entries are not reused.
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"  # 2: one decoder for every family (params pytree reshaped)
 
 
 @dataclass
@@ -97,7 +97,7 @@ def check_tensors(
 ) -> None:
     """Strict: every expected tensor present with its exact shape, nothing unexpected."""
     expected = arch.hf_tensor_shapes(cfg)
-    ignorable = {n for n in names if n.endswith(arch.hf_ignored_suffixes)}
+    ignorable = {n for n in names if n.endswith(arch.hf_ignored_suffixes) or n.startswith(arch.hf_ignored_prefixes)}
     if cfg.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some tied checkpoints still store the copy
     missing = sorted(set(expected) - names)
@@ -183,6 +183,27 @@ def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, d
         return arch.params_from_hf(read, cfg, dtype)
 
 
+class _RenamedCheckpoint:
+    """A checkpoint seen through a tensor renaming (legacy names -> the ones the layout uses)."""
+
+    def __init__(self, ckpt: Any, rename: Callable[[str], str]) -> None:
+        self._ckpt = ckpt
+        self._original = {rename(n): n for n in ckpt.names()}
+
+    def names(self) -> set[str]:
+        return set(self._original)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._ckpt.shape(self._original[name])
+
+    def read(self, name: str) -> np.ndarray:
+        return self._ckpt.read(self._original[name])
+
+
+def _renamed(ckpt: Any, rename: Callable[[str], str] | None) -> Any:
+    return ckpt if rename is None else _RenamedCheckpoint(ckpt, rename)
+
+
 def _read_hf_config(directory: Path) -> dict[str, Any]:
     try:
         return json.loads((directory / "config.json").read_text())
@@ -243,17 +264,58 @@ def inspect_model(
     return ModelInfo(config=cfg, dtype=np_dtype, weight_bytes=int(weight_bytes))
 
 
+def _read_generation_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's generation_config.json ({} when it has none)."""
+    gen_path = directory / "generation_config.json"
+    if not gen_path.exists():
+        return {}
+    try:
+        data = json.loads(gen_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{gen_path} is not valid JSON: {e} (fix it, or delete it to use no generation config)") \
+            from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{gen_path} must hold a JSON object, not a JSON {type(data).__name__}")
+    return data
+
+
+def _tokenizer_from_path(source: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """A tokenizer from a local directory of Hugging Face tokenizer files or a .gguf file."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return tokenizer_from_gguf(GGUFCheckpoint(path))
+    if path.is_dir():
+        found = tokenizer_from_directory(path)
+        if found is None:
+            raise ValueError(f"tokenizer {str(source)!r} has no tokenizer files (tokenizer.json, "
+                             "tokenizer_config.json, tokenizer.model or vocab.json)")
+        return found
+    raise ValueError(f"tokenizer {str(source)!r} is not a local directory or .gguf file; paxserve has no model hub "
+                     "access, so download the tokenizer first and pass its path")
+
+
+def _check_tokenizer_vocab(tok: PreTrainedTokenizerBase, vocab_size: int, source: str) -> None:
+    # A model's vocabulary may be padded past the tokenizer's, never the other way round.
+    if len(tok) > vocab_size:
+        raise ValueError(f"tokenizer {source!r} has {len(tok)} tokens but the model's vocabulary has only "
+                         f"{vocab_size}: it is not this model's tokenizer")
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     dtype: str = "auto",
     *,
     cache_dir: str | os.PathLike | None = None,
     use_param_cache: bool = True,
+    tokenizer: str | os.PathLike | None = None,
 ) -> LoadedModel:
     """Load config, weights and tokenizer. Errors name the problem (missing config, unsupported
-    architecture, truncated or mismatched tensors)."""
+    architecture, truncated or mismatched tensors). `tokenizer`: a local tokenizer directory or
+    .gguf file to use instead of the model's own (vLLM's --tokenizer)."""
     start = time.perf_counter()
     kind, path = resolve_source(model)
+    tokenizer_source = tokenizer  # the name `tokenizer` is reused below for the loaded one
+    tokenizer_override = _tokenizer_from_path(tokenizer_source) if tokenizer_source is not None else None
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
         params, hf_config, tokenizer, from_cache = _load_gguf(path, dtype, cache_dir, use_param_cache)
@@ -261,14 +323,16 @@ def load_model(
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     else:
         hf_config = _read_hf_config(path)
-        gen_path = path / "generation_config.json"
-        generation_config = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        generation_config = _read_generation_config(path)
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
-        ckpt = SafetensorsCheckpoint(path)
+        ckpt = _renamed(SafetensorsCheckpoint(path), arch.rename)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
         params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}")
-        tokenizer = tokenizer_from_directory(path)
+        tokenizer = tokenizer_from_directory(path) if tokenizer_override is None else None
         from_cache = False
+    if tokenizer_override is not None:
+        _check_tokenizer_vocab(tokenizer_override, cfg.vocab_size, str(tokenizer_source))
+        tokenizer = tokenizer_override
     eos = generation_config.get("eos_token_id")
     if isinstance(eos, (int, list)):
         cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
@@ -279,6 +343,7 @@ def load_model(
         "loaded %s: %s, %.1fM params in %s, %.1fs%s", path.name, cfg.architecture, n_params / 1e6, np_dtype.name,
         seconds, " (from param cache)" if from_cache else "",
     )
+    logger.info("model: %s", cfg.describe())
     return LoadedModel(
         config=cfg, params=params, architecture=arch, tokenizer=tokenizer, dtype=np_dtype, source=str(path),
         generation_config=generation_config, load_seconds=seconds, from_cache=from_cache,

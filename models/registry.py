@@ -1,14 +1,23 @@
-"""Architectures by their Hugging Face `architectures` name."""
+"""Architectures by their Hugging Face `architectures` name.
+
+Every family runs the same decoder (`models.decoder.forward`); an entry here only says how to read
+the family's config (`config_from_hf`) and where its tensors live (`layout`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from models import llama
+from models import decoder, layout
 from models.config import ModelConfig
+from models.families import falcon, gemma3, llama, qwen
+from models.families.common import llama_layout
+
+# Tensors some checkpoints carry that hold nothing the model needs (old rotary caches).
+_ROTARY_CACHES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,23 +25,38 @@ class Architecture:
     """What the loader and the runner need to know about one model family."""
 
     name: str
-    forward: Callable[..., Any]
-    hf_tensor_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
-    params_from_hf: Callable[[Callable[[str], np.ndarray], ModelConfig, np.dtype], Any]
-    abstract_params: Callable[[ModelConfig, np.dtype], Any]
-    hf_ignored_suffixes: tuple[str, ...] = ()
+    config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
+    layout: layout.LayoutFn
+    forward: Callable[..., Any] = decoder.forward
+    hf_ignored_suffixes: tuple[str, ...] = _ROTARY_CACHES
+    hf_ignored_prefixes: tuple[str, ...] = ()  # parts of a checkpoint a text model does not read
+    rename: Callable[[str], str] | None = None  # legacy tensor names -> the names `layout` uses
+
+    def hf_tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, with its HF ([out, in]) shape."""
+        return layout.tensor_shapes(self.layout(cfg), cfg.num_layers)
+
+    def params_from_hf(self, read: Callable[[str], np.ndarray], cfg: ModelConfig, dtype: np.dtype) -> Any:
+        """Assemble params from HF-named tensors (already checked for presence and shape)."""
+        return layout.params_from_layout(self.layout(cfg), read, cfg.num_layers, dtype)
+
+    def abstract_params(self, cfg: ModelConfig, dtype: np.dtype) -> Any:
+        """Shapes and dtypes of the params without materialising them: lets memory planning size the
+        weights before loading, and tells the on-disk param cache what to restore."""
+        return layout.abstract_from_layout(self.layout(cfg), cfg.num_layers, dtype)
 
 
-_LLAMA = Architecture(
-    name="LlamaForCausalLM",
-    forward=llama.forward,
-    hf_tensor_shapes=llama.hf_tensor_shapes,
-    params_from_hf=llama.params_from_hf,
-    abstract_params=llama.abstract_params,
-    hf_ignored_suffixes=llama.HF_IGNORED_SUFFIXES,
+_ENTRIES = (
+    Architecture("LlamaForCausalLM", llama.llama_config, llama_layout),
+    Architecture("MistralForCausalLM", llama.mistral_config, llama_layout),
+    Architecture("Qwen2ForCausalLM", qwen.qwen2_config, llama_layout),
+    Architecture("Qwen3ForCausalLM", qwen.qwen3_config, llama_layout),
+    Architecture("Gemma3ForCausalLM", gemma3.gemma3_config, gemma3.gemma3_layout),
+    Architecture("Gemma3ForConditionalGeneration", gemma3.gemma3_config, gemma3.gemma3_multimodal_layout,
+                 hf_ignored_prefixes=gemma3.MULTIMODAL_IGNORED_PREFIXES, rename=gemma3.rename_legacy),
+    Architecture("FalconForCausalLM", falcon.falcon_config, falcon.falcon_layout),
 )
-
-ARCHITECTURES: dict[str, Architecture] = {_LLAMA.name: _LLAMA}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in _ENTRIES}
 
 
 def get_architecture(name: str) -> Architecture:

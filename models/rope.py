@@ -66,8 +66,13 @@ def _yarn(cfg: ModelConfig, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [head_dim // 2] and the cos/sin scale ("attention factor")."""
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim // 2] and the cos/sin scale ("attention factor"); `local`: the
+    table of the windowed layers (`local_rope_theta`, Gemma 3) instead of the global one."""
+    if local:
+        if cfg.local_rope_theta is None:
+            raise ValueError("this model has no separate RoPE table for its local layers")
+        cfg = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling)
     dim = cfg.head_dim
     kind = cfg.rope_scaling.rope_type
     if kind == "yarn":

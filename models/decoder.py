@@ -1,0 +1,145 @@
+"""The one functional decoder every dense family runs, driven by the spec fields of `ModelConfig`.
+
+Params are an explicit pytree with per-layer weights stacked on a leading layer axis, so the
+forward pass is one `lax.scan` over layers: XLA compiles the layer body once, whatever the depth,
+and the KV cache rides in the scan carry so each layer's writes update it in place. What differs
+between layers of one model (the attention window, which RoPE table) is a scanned array, not a
+Python branch, so a Gemma 3 with local and global layers still compiles one body.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+from models.config import ModelConfig
+from models.layers import dense, mlp, norm
+from models.rope import apply_rope, rope_cos_sin, rope_frequencies
+from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
+from pallas_kernels.metadata import NO_WINDOW
+from pallas_kernels.alibi import alibi_slopes
+
+
+@struct.dataclass
+class LayerParams:
+    """One field per weight, each with a leading `num_layers` axis; matrices are [in, out]. Fields a
+    family does not have are None."""
+
+    attn_norm: Float[Array, "L H"]
+    qkv_w: Float[Array, "L H QKV"]  # q, k and v projections side by side
+    o_w: Float[Array, "L NH H"]
+    up_w: Float[Array, "L H I2"]  # gate and up side by side for a gated MLP, else up alone
+    down_w: Float[Array, "L I H"]
+    attn_norm_b: Float[Array, "L H"] | None = None
+    qkv_b: Float[Array, "L QKV"] | None = None
+    o_b: Float[Array, "L H"] | None = None
+    q_norm: Float[Array, "L D"] | None = None
+    k_norm: Float[Array, "L D"] | None = None
+    post_attn_norm: Float[Array, "L H"] | None = None  # on the attention output (sandwich norms)
+    mlp_norm: Float[Array, "L H"] | None = None  # before the MLP; None when it shares attn_norm
+    mlp_norm_b: Float[Array, "L H"] | None = None
+    post_mlp_norm: Float[Array, "L H"] | None = None
+    up_b: Float[Array, "L I2"] | None = None
+    down_b: Float[Array, "L H"] | None = None
+
+
+@struct.dataclass
+class DecoderParams:
+    embed: Float[Array, "V H"]
+    layers: LayerParams
+    final_norm: Float[Array, " H"]
+    final_norm_b: Float[Array, " H"] | None = None
+    lm_head: Float[Array, "H V"] | None = None  # None when tied to the embedding
+
+
+def layer_windows(cfg: ModelConfig) -> np.ndarray | None:
+    """Per-layer window as the kernels take it (NO_WINDOW for full attention), or None when no
+    layer has a window (then no window code is traced at all)."""
+    if not any(cfg.layer_windows):
+        return None
+    return np.asarray([w or NO_WINDOW for w in cfg.layer_windows], np.int32)
+
+
+def forward(
+    params: DecoderParams,
+    kv_cache: KVCache,
+    input_ids: Int[Array, " T"],
+    positions: Int[Array, " T"],
+    metadata: AttentionMetadata,
+    cfg: ModelConfig,
+    attention_backend: AttentionBackend = REFERENCE,
+) -> tuple[Float[Array, "S V"], KVCache]:
+    """Run a flattened ragged batch of new tokens; return float32 logits at
+    `metadata.logits_indices` and the updated cache. `attention_backend` (static) picks the
+    attention implementation: the XLA reference by default, or the Pallas kernel."""
+    num_tokens = input_ids.shape[0]
+    eps = cfg.rms_norm_eps
+    x = params.embed[input_ids]
+    if cfg.embed_scale:
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    if cfg.alibi:
+        rope, slopes = None, jnp.asarray(alibi_slopes(cfg.num_heads))
+    else:
+        slopes = None
+        rope = rope_cos_sin(positions, *rope_frequencies(cfg), x.dtype)
+        if cfg.local_rope_theta is not None:
+            local = rope_cos_sin(positions, *rope_frequencies(cfg, local=True), x.dtype)
+            rope = tuple(jnp.stack([g, l]) for g, l in zip(rope, local))  # [2, T, D]: global, local
+    windows = layer_windows(cfg)
+    scanned = {"index": jnp.arange(cfg.num_layers, dtype=jnp.int32)}
+    if windows is not None:
+        scanned["window"] = jnp.asarray(windows)
+
+    def attend(p: LayerParams, h: Array, k_cache: Array, v_cache: Array, xs: dict[str, Array]):
+        qkv = dense(h, p.qkv_w, p.qkv_b)
+        q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = norm(cfg.norm, q, p.q_norm, None, eps), norm(cfg.norm, k, p.k_norm, None, eps)
+        if rope is not None:
+            cos, sin = rope
+            if cfg.local_rope_theta is not None:  # windowed layers take the local table
+                table = (xs["window"] != NO_WINDOW).astype(jnp.int32)
+                cos, sin = cos[table], sin[table]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv_reference(k_cache, v_cache, xs["index"], k, v, metadata.slot_mapping)
+        out = attention(
+            q, k_cache, v_cache, xs["index"], metadata, sm_scale=cfg.softmax_scale, backend=attention_backend,
+            sliding_window=xs.get("window"), soft_cap=cfg.attn_soft_cap, alibi_slopes=slopes,
+        )
+        return dense(out.reshape(num_tokens, q_size), p.o_w, p.o_b), k_cache, v_cache
+
+    def ffn(p: LayerParams, h: Array) -> Array:
+        return mlp(h, p.up_w, p.up_b, p.down_w, p.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp)
+
+    def layer(carry: tuple[Array, Array, Array], xs: tuple[LayerParams, dict[str, Array]]):
+        x, k_cache, v_cache = carry
+        p, per_layer = xs
+        h = norm(cfg.norm, x, p.attn_norm, p.attn_norm_b, eps)
+        a, k_cache, v_cache = attend(p, h, k_cache, v_cache, per_layer)
+        if cfg.parallel != "none":  # attention and MLP both read the layer input
+            m_in = h if cfg.parallel == "shared_norm" else norm(cfg.norm, x, p.mlp_norm, p.mlp_norm_b, eps)
+            return (x + a + ffn(p, m_in), k_cache, v_cache), None
+        if cfg.sandwich_norm:
+            a = norm(cfg.norm, a, p.post_attn_norm, None, eps)
+        x = x + a
+        m = ffn(p, norm(cfg.norm, x, p.mlp_norm, p.mlp_norm_b, eps))
+        if cfg.sandwich_norm:
+            m = norm(cfg.norm, m, p.post_mlp_norm, None, eps)
+        return (x + m, k_cache, v_cache), None
+
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (params.layers, scanned))
+    h = norm(cfg.norm, x[metadata.logits_indices], params.final_norm, params.final_norm_b, eps)
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if cfg.final_soft_cap is not None:
+        logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
+    return logits, KVCache(k=k_cache, v=v_cache)

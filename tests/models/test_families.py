@@ -1,0 +1,137 @@
+"""Every dense family through the one decoder against Hugging Face transformers (torch, CPU, float32).
+
+Per family (tests/models/family_checkpoints.py): prefill logits of prompts shorter and longer
+than the window; greedy decode far past the window over shuffled pages at block sizes 8/16/32
+with every step's logits checked; and the full engine (chunked prefill, preemption, prefix
+caching) giving transformers' greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from models import LoadedModel, load_model
+from paxserve import Engine, SamplingParams
+from paxserve.batch import SeqChunk, build_batch
+from paxserve.model_runner import ModelRunner
+from tests.helpers import rel_error
+from tests.models.family_checkpoints import FAMILIES, VOCAB, make_family_checkpoint
+from tests.paged_greedy import greedy_stream
+from tests.paxserve.test_engine import TEST_ENGINE_ARGS, assert_no_blocks_held
+
+LOGIT_TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel, str, Path]:
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = make_family_checkpoint(request.param, directory, seed=len(request.param))
+    return hf, load_model(directory), request.param, directory
+
+
+def prompts_for(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, n).tolist() for n in lengths]
+
+
+def hf_logits(hf: Any, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0].numpy()
+
+
+def hf_greedy(hf: Any, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    hf.generation_config = GenerationConfig(max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].numpy() for s in out.logits]
+
+
+def test_config_maps_onto_the_spec(family) -> None:
+    hf, model, name, _ = family
+    cfg, hcfg = model.config, hf.config
+    assert cfg.num_layers == hcfg.num_hidden_layers and cfg.vocab_size == hcfg.vocab_size
+    windows = getattr(hcfg, "sliding_window", None)
+    if name.startswith(("gemma3", "qwen2")):
+        expected = tuple(windows if t == "sliding_attention" else 0 for t in hcfg.layer_types)
+        assert cfg.layer_windows == expected and 0 in expected and any(expected)
+    elif name == "mistral-window":
+        assert cfg.layer_windows == (12,) * cfg.num_layers
+    else:
+        assert not any(cfg.layer_windows)
+    if name == "gemma3":
+        assert cfg.local_rope_theta == 1e4 and cfg.rope_theta == 1e6 and cfg.rope_scaling.rope_type == "linear"
+    assert cfg.alibi == (name == "falcon-rw-alibi")
+
+
+def test_prefill_logits_match_hf(family, report) -> None:
+    hf, model, name, _ = family
+    prompts = prompts_for(1, [5, 23, 41, 1])  # shorter than, and several times, every window
+    runner = ModelRunner(model, num_blocks=32, block_size=16)
+    free = np.random.default_rng(0).permutation(np.arange(1, 32)).tolist()
+    chunks = [SeqChunk(p, 0, [free.pop() for _ in range(-(-len(p) // 16))]) for p in prompts]
+    ours = runner.compute_logits(build_batch(chunks, 16, pad_tokens_to=128, pad_seqs_to=4, pad_blocks_to=4))
+    worst = max(rel_error(ours[row], hf_logits(hf, p)[-1])[1] for row, p in enumerate(prompts))
+    report(f"{name}: prefill max rel err {worst:.2e}")
+    assert worst < LOGIT_TOL
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_past_the_window_over_shuffled_pages_matches_hf(family, block_size: int, report) -> None:
+    hf, model, name, _ = family
+    prompts = prompts_for(block_size, [19, 30])
+    steps = 24  # the window (8 to 12 tokens) slides well past the prompt
+    runner = ModelRunner(model, num_blocks=2 * (64 // block_size + 1) + 4, block_size=block_size)
+    ours_tokens: list[list[int]] = [[] for _ in prompts]
+    ours_logits: list[list[np.ndarray]] = [[] for _ in prompts]
+    for tokens, logits in greedy_stream(runner, prompts, steps, shuffle_seed=block_size):
+        for i, t in enumerate(tokens):
+            ours_tokens[i].append(t)
+            ours_logits[i].append(logits[i])
+    worst = 0.0
+    for i, p in enumerate(prompts):
+        ref_tokens, ref_logits = hf_greedy(hf, p, steps)
+        assert ours_tokens[i] == ref_tokens, f"{name} prompt {i}: greedy tokens differ"
+        worst = max([worst] + [rel_error(o, r)[1] for o, r in zip(ours_logits[i], ref_logits)])
+    report(f"{name} block {block_size}: {steps} steps max rel err {worst:.2e}, greedy tokens identical")
+    assert worst < LOGIT_TOL
+
+
+def test_engine_greedy_with_chunked_prefill_preemption_and_prefix_cache(family) -> None:
+    """The whole engine on a pool too small for the batch (preemption), a token budget smaller than
+    the prompts (chunked prefill) and prompts sharing a prefix (prefix caching): every output is
+    transformers' greedy continuation, and every block comes back."""
+    hf, _, name, directory = family
+    shared = prompts_for(5, [20])[0]
+    prompts = [shared + t for t in prompts_for(6, [3, 17, 9, 25])] + prompts_for(7, [33, 4])
+    eng = Engine(str(directory), **{**TEST_ENGINE_ARGS, "block_size": 8, "num_gpu_blocks_override": 10,
+                                    "max_model_len": 64, "max_num_batched_tokens": 16, "max_num_seqs": 4})
+    outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)[0], f"{name}: engine output differs from HF"
+    assert eng.stats.preemptions > 0, "the pool was meant to force preemption"
+    assert eng.kv.prefix_stats.hits > 0, "the shared prefix was meant to hit the prefix cache"
+    assert_no_blocks_held(eng)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """`Gemma3ForConditionalGeneration` as transformers saves it (text model under
+    `language_model.model.`, a vision tower beside it): the text model loads and its logits equal
+    the multimodal model's on text-only input."""
+    from tests.models.family_checkpoints import make_gemma3_multimodal_checkpoint
+
+    hf = make_gemma3_multimodal_checkpoint(tmp_path, seed=4)
+    model = load_model(tmp_path)
+    assert model.config.architecture == "Gemma3ForConditionalGeneration" and model.config.layer_windows[0] == 8
+    prompts = prompts_for(3, [30, 6])
+    runner = ModelRunner(model, num_blocks=16, block_size=16)
+    ours = runner.compute_logits(build_batch([SeqChunk(prompts[0], 0, [5, 2]), SeqChunk(prompts[1], 0, [9])], 16,
+                                             pad_tokens_to=64, pad_seqs_to=2, pad_blocks_to=2))
+    for row, p in enumerate(prompts):
+        assert rel_error(ours[row], hf_logits(hf, p)[-1])[1] < LOGIT_TOL
