@@ -174,7 +174,7 @@ class AsyncEngine:
         """Stream a request's outputs (in its params' output kind). Invalid input raises
         ValueError before anything streams. Leaving early (a client gone, a cancelled task)
         aborts the request and frees its blocks; no moment of cancellation is unsafe."""
-        params = params or SamplingParams()
+        params = params or self.input_processor.default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         engine_id = f"{request_id}\x1f{next(self._serial)}"

@@ -197,9 +197,50 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="devices to shard the model over (only 1 for now)")
     eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
     _add_attention_backend(eng)
+    _add_model_source_flags(eng, defaults_in_help=True)
     eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                      help="compile the decode batch buckets at start-up (--no-warmup starts faster and compiles "
                           "on first use)")
+
+
+def _generation_config(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be 'auto', 'vllm' or a directory holding generation_config.json")
+    return text
+
+
+def _add_model_source_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, defaults_in_help: bool) -> None:
+    """vLLM's model-source flags: --tokenizer, --generation-config, --trust-remote-code, --revision."""
+    shown = "" if defaults_in_help else " (default: auto)"
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="load the tokenizer from this local directory (Hugging Face tokenizer files) or .gguf "
+                             "file instead of the model's own; paxserve has no model hub access, so it must exist")
+    parser.add_argument("--generation-config", type=_generation_config, default="auto", metavar="auto|vllm|DIR",
+                        help="where the sampling defaults of requests come from, as in vLLM. auto: the "
+                             "checkpoint's generation_config.json - its temperature, top_p, top_k, min_p and "
+                             "repetition_penalty become the defaults of requests that do not set them, and its "
+                             "max_new_tokens the output limit of chat requests that send no max_tokens (completions "
+                             "keep OpenAI's default of 16); its do_sample is ignored (send temperature=0 for "
+                             "greedy). vllm: ignore the file and use paxserve's own defaults (temperature 1, top_p 1, "
+                             "top_k and min_p off, no repetition penalty). DIR: read generation_config.json from "
+                             "that directory instead. Invalid values stop the start with an error" + shown)
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM compatibility, with a warning: paxserve never runs code shipped "
+                             "with a checkpoint and loads only the architectures it implements")
+    for flag, what in (("--revision", "model"), ("--tokenizer-revision", "tokenizer"), ("--code-revision", "code")):
+        parser.add_argument(flag, default=None, metavar="REV",
+                            help=f"not supported: paxserve has no model hub, so giving a {what} revision is an "
+                                 "error at start; download that revision and pass its local path instead")
+
+
+def check_model_source_flags(args: argparse.Namespace) -> None:
+    """Fail before loading anything on flags that ask for the model hub (vLLM's --revision & co)."""
+    from paxserve.config import no_hub_message
+
+    for name in ("revision", "tokenizer_revision", "code_revision"):
+        value = getattr(args, name, None)
+        if value is not None:
+            raise ValueError(no_hub_message(f"--{name.replace('_', '-')}", value))
 
 
 def _add_attention_backend(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -233,18 +274,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                      help="tokens per KV-cache block (default 16)")
     _add_attention_backend(gen)
+    _add_model_source_flags(gen, defaults_in_help=False)
     gen.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="logging verbosity on stderr (default info)")
     return parser
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from paxserve.engine import Engine
-    from paxserve.sampling_params import RequestOutputKind, SamplingParams
+    from paxserve.sampling_params import RequestOutputKind
 
     log = logging.getLogger("paxserve")
     engine = Engine(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-                    attention_backend=args.attention_backend,
+                    attention_backend=args.attention_backend, tokenizer=args.tokenizer,
+                    generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
                     max_num_seqs=1, warmup=False, log_stats_interval=0)
     if engine.tokenizer is None:
         raise ValueError(f"{engine.model.source} has no tokenizer, so text prompts cannot be encoded")
@@ -254,8 +299,9 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError(f"{engine.model.source} has no chat template; drop --chat")
         text = engine.input_processor.render_chat([{"role": "user", "content": args.prompt}])
         prompt = engine.input_processor.tokenize(text, add_special_tokens=False)
-    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens,
-                            output_kind=RequestOutputKind.DELTA)
+    # The flags win; the model's generation_config fills the rest (top_p, top_k, ... when sampling).
+    params = replace(engine.get_default_sampling_params(), temperature=args.temperature, seed=args.seed,
+                     max_tokens=args.max_tokens, output_kind=RequestOutputKind.DELTA)
     engine.add_request("cli", prompt, params)
     log.info("generating up to %d tokens (the first steps compile the model)", args.max_tokens)
     start = time.perf_counter()
@@ -294,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("absl", "jax._src.xla_bridge", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        check_model_source_flags(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":

@@ -17,6 +17,12 @@ def _bad(name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"EngineConfig.{name}={value!r} is invalid: {allowed}")
 
 
+def no_hub_message(what: str, value: str) -> str:
+    """Why a hub revision cannot be honoured (the CLI and EngineConfig say the same)."""
+    return (f"{what} {value!r}: paxserve has no model hub, so it cannot fetch a revision; download that revision "
+            f"(e.g. `huggingface-cli download MODEL --revision {value} --local-dir DIR`) and pass its path")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None
@@ -35,6 +41,15 @@ class EngineConfig:
     warmup: bool = True  # compile the decode buckets at start-up instead of on first use
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
     attention_backend: str = "auto"  # "auto" | "pallas" | "reference"; resolved at Engine start
+    # Request defaults: "auto" = the checkpoint's generation_config.json (temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_new_tokens), "vllm" = paxserve's own, or a directory holding one.
+    generation_config: str = "auto"
+    tokenizer: str | None = None  # a local tokenizer directory or .gguf instead of the model's own
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; paxserve never runs remote code
+    # Hub revisions cannot be fetched (no hub access): setting any of these is an error.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    code_revision: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len not in (None, "auto") and (
@@ -67,3 +82,12 @@ class EngineConfig:
             raise _bad("log_stats_interval", self.log_stats_interval, "must be >= 0 seconds")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise _bad("attention_backend", self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if not isinstance(self.generation_config, str) or not self.generation_config.strip():
+            raise _bad("generation_config", self.generation_config,
+                       "must be 'auto', 'vllm' or a directory holding generation_config.json")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise _bad("tokenizer", self.tokenizer, "must be a local tokenizer directory or .gguf file, or None")
+        for name in ("revision", "tokenizer_revision", "code_revision"):
+            value = getattr(self, name)
+            if value is not None:
+                raise ValueError(no_hub_message(f"EngineConfig.{name}", value))

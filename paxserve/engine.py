@@ -24,6 +24,7 @@ from paxserve.batch import SeqChunk, next_power_of_2
 from paxserve.config import EngineConfig
 from paxserve.engine_core import EngineCore
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot
+from paxserve.generation_config import GENERATION_CONFIG_MODES, resolve_sampling_defaults
 from paxserve.input_processor import InputProcessor, Prompt
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.memory import plan_kv_cache
@@ -67,13 +68,20 @@ class Engine:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = config = EngineConfig(model=model, **engine_args)
+        if config.trust_remote_code:
+            logger.warning("--trust-remote-code / trust_remote_code=True has no effect: paxserve never runs code "
+                           "from a checkpoint and loads only the architectures it implements")
+        # --generation-config DIR is read and checked now, before the weights load; "auto" reads the
+        # model's own file, which load_model returns.
+        file_defaults = None if config.generation_config in GENERATION_CONFIG_MODES else \
+            resolve_sampling_defaults(config.generation_config, {}, "")
         if config.compilation_cache_dir != "":
             _enable_compilation_cache(config.compilation_cache_dir or str(cache_root() / "xla"))
         info = inspect_model(model, config.dtype)
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, jax.devices()[0].platform, num_heads=info.config.num_heads,
             num_kv_heads=info.config.num_kv_heads, head_dim=info.config.head_dim, block_size=config.block_size,
-            dtype=info.dtype)
+            dtype=info.dtype, sliding_window=info.config.sliding_window, alibi=info.config.alibi)
         logger.info("attention backend: %s", self.attention_backend)
         device_bytes = _device_memory_bytes()
         activation_bytes = 0
@@ -87,7 +95,12 @@ class Engine:
             logger.info("activation peak of the largest step: %.2f GiB", activation_bytes / 2**30)
         self.plan = plan_kv_cache(info.config, config, info.dtype.itemsize, info.weight_bytes, device_bytes,
                                   activation_bytes)
-        self.model = load_model(model, config.dtype)
+        self.model = load_model(model, config.dtype, tokenizer=config.tokenizer)
+        # vLLM's --generation-config: defaults for the sampling fields a request leaves unset.
+        self.sampling_defaults, defaults_line = file_defaults or resolve_sampling_defaults(
+            config.generation_config, self.model.generation_config, self.model.source)
+        if defaults_line is not None:
+            logger.info("%s", defaults_line)
         self.tokenizer = self.model.tokenizer
         self.model_config = self.model.config
         self.max_model_len = self.plan.max_model_len
@@ -101,7 +114,8 @@ class Engine:
         self.stats = StatsLogger(config.log_stats_interval)
         self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
-                                              self.model_config.eos_token_ids, self.max_model_len, config.seed)
+                                              self.model_config.eos_token_ids, self.max_model_len, config.seed,
+                                              sampling_defaults=self.sampling_defaults)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.warmup_seconds = 0.0  # how long start-up compilation took (0 with warmup=False)
@@ -151,6 +165,13 @@ class Engine:
 
     # ---- offline API ---------------------------------------------------------------------------
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a request without any gets (vLLM's LLM.get_default_sampling_params):
+        the model's generation_config defaults (see --generation-config), else paxserve's. Explicit
+        SamplingParams are used as given, so start from these to keep the model's defaults:
+        `replace(engine.get_default_sampling_params(), max_tokens=64)`."""
+        return self.input_processor.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -163,7 +184,7 @@ class Engine:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -16,6 +16,7 @@ import numpy as np
 
 from paxserve.chat_template import RenderLimits, render_chat_template
 from paxserve.engine_io import EngineCoreRequest
+from paxserve.generation_config import default_sampling_params
 from paxserve.sampling_params import SamplingParams
 
 # vLLM's prompt forms: text, token ids, or a dict (TextPrompt / TokensPrompt) that may carry a cache salt.
@@ -48,17 +49,26 @@ def max_token_chars(tokenizer: Any) -> int:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 seed: int, render_limits: RenderLimits | None = None) -> None:
+                 seed: int, render_limits: RenderLimits | None = None,
+                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.render_limits = render_limits or RenderLimits()
+        # The model's default sampling settings (--generation-config), SamplingParams' names.
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.default_max_tokens: int | None = self.sampling_defaults.get("max_tokens")
+        default_sampling_params(self.sampling_defaults)  # invalid defaults fail here, not per request
         # Text longer than this is refused before tokenizing: it cannot fit, and tokenizing a
         # megabyte just to say so would cost a worker a second.
         self.max_prompt_chars = max_model_len * max_token_chars(tokenizer) if tokenizer is not None else 0
         self._seed_lock = threading.Lock()
         self._seed_rng = np.random.default_rng(seed)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets: the model's defaults, else paxserve's."""
+        return default_sampling_params(self.sampling_defaults)
 
     # ---- text -> token ids ---------------------------------------------------------------------
 
@@ -119,11 +129,12 @@ class InputProcessor:
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams,
                            param: str = "max_tokens") -> int:
-        """The request's max_tokens, or the room left in the context when it has none. Asking for
-        more than the room left is an error, as in vLLM and OpenAI (not silently clamped)."""
+        """The request's max_tokens; when it has none, the model's default (generation_config's
+        max_new_tokens) or the room left in the context, whichever is smaller (vLLM's rule). Asking
+        for more than the room left is an error, as in vLLM and OpenAI (not silently clamped)."""
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
-            return room
+            return room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if params.max_tokens > room:
             raise RequestError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. This model's maximum "
@@ -136,7 +147,7 @@ class InputProcessor:
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                 cache_salt: str | None = None, arrival_time: float | None = None) -> EngineCoreRequest:
         """Tokenize and validate one request. Raises RequestError and changes nothing."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string", param="request_id")
         text, ids, cache_salt = self._prompt(prompt, cache_salt)

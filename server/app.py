@@ -42,6 +42,8 @@ def create_app(async_engine: Any, settings: ServerSettings | None = None) -> web
         settings.vocab_size = engine.model_config.vocab_size
     if settings.max_num_seqs is None:
         settings.max_num_seqs = engine.config.max_num_seqs
+    if settings.sampling_defaults is None:
+        settings.sampling_defaults = dict(getattr(engine, "sampling_defaults", None) or {})
     info = {}
     plan = getattr(engine, "plan", None)
     if plan is not None:

@@ -245,18 +245,21 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, r
         if bad:
             raise ProtocolError(f"`logit_bias` has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
                                 param="logit_bias")
-    top_k = get_int(body, "top_k", 0)
+    # Fields the body leaves out (or sends as null) take the model's defaults (--generation-config),
+    # else paxserve's; max_tokens' default is applied by the input processor (max_tokens=None).
+    defaults = settings.sampling_defaults or {}
+    top_k = get_int(body, "top_k", defaults.get("top_k", 0))
     try:
         return SamplingParams(
             n=n,
-            temperature=get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-            top_p=get_float(body, "top_p", 1.0),
+            temperature=get_float(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
+            top_p=get_float(body, "top_p", defaults.get("top_p", 1.0)),
             top_k=top_k,
-            min_p=get_float(body, "min_p", 0.0),
+            min_p=get_float(body, "min_p", defaults.get("min_p", 0.0)),
             seed=get_int(body, "seed", None),
             presence_penalty=get_float(body, "presence_penalty", 0.0),
             frequency_penalty=get_float(body, "frequency_penalty", 0.0),
-            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            repetition_penalty=get_float(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0)),
             logit_bias=logit_bias or None,
             stop=stop or None,
             stop_token_ids=stop_token_ids or None,

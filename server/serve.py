@@ -47,7 +47,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, warmup=args.warmup,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, generation_config=args.generation_config,
+        tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
         **({"log_stats_interval": 0} if args.disable_log_stats else {}),
     )
 
@@ -70,10 +71,13 @@ def transport_limits(args: argparse.Namespace) -> TransportLimits:
 
 def run_server(args: argparse.Namespace) -> int:
     """Blocking: serve until a signal. Invalid flags or models raise ValueError (the CLI prints it)."""
+    from paxserve.config import EngineConfig
+
+    EngineConfig(model=args.model, **engine_kwargs(args))  # invalid settings fail before JAX is imported
+    chat_template = _chat_template(args.chat_template)  # fail on a bad template before loading anything
     from paxserve.async_engine import AsyncEngine  # JAX comes in here, not at import time
     from paxserve.engine import Engine
 
-    chat_template = _chat_template(args.chat_template)  # fail on a bad template before loading anything
     start = time.perf_counter()
     logger.info("paxserve %s: loading %s", _version(), args.model or f"the bundled {DEFAULT_MODEL_NAME}")
     engine = Engine(args.model, **engine_kwargs(args))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MiB = 2**20
@@ -26,6 +27,9 @@ class ServerSettings:
     max_model_len: int | None = None
     vocab_size: int | None = None
     max_num_seqs: int | None = None
+    # The model's default sampling settings (--generation-config), SamplingParams' names: a request
+    # that leaves temperature, top_p, top_k, min_p or repetition_penalty out of its body gets these.
+    sampling_defaults: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
