@@ -10,6 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.helpers import release_compiled_programs  # noqa: E402 (needs the path above)
+
 # Parity and timing figures: (test name, description) -> value, shown in the terminal summary.
 REPORT: list[tuple[str, str]] = []
 
@@ -22,6 +24,12 @@ def report(request: pytest.FixtureRequest):
         REPORT.append((request.node.name, what))
 
     return record
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs_per_module():
+    yield
+    release_compiled_programs()
 
 
 @pytest.fixture(scope="session")

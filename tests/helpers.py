@@ -110,3 +110,15 @@ def app_in_thread(app: Any, make_runner: Any = None, timeout: float = 60.0) -> I
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
         loop.close()
+
+
+def release_compiled_programs() -> None:
+    """Drop JAX's compiled-program caches. Every CPU executable keeps memory mappings for its code,
+    and one pytest process compiles thousands of programs: without this the whole suite passes the
+    kernel's 65530-mapping limit (vm.max_map_count) and XLA aborts mid-compile."""
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -9,7 +9,7 @@ caching) giving transformers' greedy tokens.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ from models import LoadedModel, load_model
 from paxserve import Engine, SamplingParams
 from paxserve.batch import SeqChunk, build_batch
 from paxserve.model_runner import ModelRunner
-from tests.helpers import rel_error
+from tests.helpers import rel_error, release_compiled_programs
 from tests.models.family_checkpoints import FAMILIES, VOCAB, make_family_checkpoint
 from tests.paged_greedy import greedy_stream
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, assert_no_blocks_held
@@ -29,10 +29,11 @@ LOGIT_TOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel, str, Path]:
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, LoadedModel, str, Path]]:
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_family_checkpoint(request.param, directory, seed=len(request.param))
-    return hf, load_model(directory), request.param, directory
+    yield hf, load_model(directory), request.param, directory
+    release_compiled_programs()  # eight families' programs would not fit in one process's mappings
 
 
 def prompts_for(seed: int, lengths: list[int]) -> list[list[int]]:
