@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pallas_kernels.alibi import alibi_slopes  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
     decode_metadata,
@@ -134,19 +135,23 @@ def rel_error(out: jax.Array, ref: jax.Array, n: int) -> tuple[float, bool]:
 def part_a(smoke: bool, interpret: bool) -> None:
     rng = np.random.default_rng(int(time.time()))
     d = 32 if smoke else 128
-    cases = [  # (label, dtype, block, kv heads, group, head_dim, window, cap)
-        ("ragged f32 gqa4 b16", jnp.float32, 16, 2, 4, d, None, None),
-        ("ragged bf16 gqa8 b32", jnp.bfloat16, 32, 2, 8, d, None, None),
-        ("ragged bf16 gqa1 b8 d64", jnp.bfloat16, 8, 4, 1, 64, None, None),
-        ("ragged f16 gqa2 d256", jnp.float16, 16, 2, 2, 32 if smoke else 256, None, None),
-        ("ragged bf16 window+softcap", jnp.bfloat16, 16, 2, 4, d, 37, 20.0),
+    cases = [  # (label, dtype, block, kv heads, group, head_dim, window, cap, alibi)
+        ("ragged f32 gqa4 b16", jnp.float32, 16, 2, 4, d, None, None, False),
+        ("ragged bf16 gqa8 b32", jnp.bfloat16, 32, 2, 8, d, None, None, False),
+        ("ragged bf16 gqa1 b8 d64", jnp.bfloat16, 8, 4, 1, 64, None, None, False),
+        ("ragged f16 gqa2 d256", jnp.float16, 16, 2, 2, 32 if smoke else 256, None, None, False),
+        ("ragged bf16 window+softcap", jnp.bfloat16, 16, 2, 4, d, 37, 20.0, False),
+        # Falcon-RW's ALiBi (per-head slopes) and a traced window, as the one-scan decoder passes it.
+        ("ragged bf16 alibi mha b16", jnp.bfloat16, 16, 4, 1, d, None, None, True),
+        ("ragged f32 traced window+alibi", jnp.float32, 16, 2, 4, d, jnp.int32(53), None, True),
     ]
     max_ctx = 40 if smoke else 700
     num_seqs = 4 if smoke else 24
-    for label, dtype, bs, kvh, group, hd, window, cap in cases:
+    for label, dtype, bs, kvh, group, hd, window, cap, alibi in cases:
         p = ragged_problem(rng, num_seqs=num_seqs, block_size=bs, num_kv_heads=kvh, group=group, head_dim=hd,
                            dtype=dtype, max_ctx=max_ctx)
-        kw = dict(sm_scale=hd**-0.5, sliding_window=window, soft_cap=cap)
+        kw = dict(sm_scale=hd**-0.5, sliding_window=window, soft_cap=cap,
+                  alibi_slopes=jnp.asarray(alibi_slopes(kvh * group)) if alibi else None)
         out = ragged_paged_attention(p["q"], p["k"], p["v"], 1, p["md"], interpret=interpret, **kw)
         with jax.default_matmul_precision("highest"):
             ref = ragged_paged_attention_reference(p["q"], p["k"], p["v"], 1, p["md"], **kw)
