@@ -82,13 +82,3 @@ def mlp(
         h = activation(act, h)
     return dense(h, down_w, down_b)
 
-
-def gated_mlp(
-    x: Float[Array, "T H"],
-    gate_up_w: Float[Array, "H I2"],
-    gate_up_b: Float[Array, " I2"] | None,
-    down_w: Float[Array, "I H"],
-    down_b: Float[Array, " H"] | None,
-) -> Float[Array, "T H"]:
-    """SwiGLU MLP with the gate and up projections fused into one matmul."""
-    return mlp(x, gate_up_w, gate_up_b, down_w, down_b, act="silu", gated=True)
