@@ -371,7 +371,15 @@ def test_a_slow_reader_pauses_its_request_and_loses_nothing(engine: Engine, refs
         outs = [await gen.__anext__()]
         await wait_paused(aeng, 1)  # the reader stopped reading: the request is held
         stream = aeng._streams[aeng._active["slow-reader"]]
-        generated, pending = aeng.snapshot.generation_tokens, stream.pending.num_output_tokens
+        # The output thread may still be merging the last step made before the pause: read the
+        # counts once they have stopped moving, then check they stay put while paused.
+        counts = lambda: (aeng.snapshot.generation_tokens, stream.pending.num_output_tokens)  # noqa: E731
+        previous, deadline = None, time.monotonic() + 30
+        while (current := counts()) != previous:
+            assert time.monotonic() < deadline, "the paused request's counts never settled"
+            previous = current
+            await asyncio.sleep(0.3)
+        generated, pending = current
         await asyncio.sleep(1.0)
         snap = aeng.snapshot
         assert snap.num_requests_paused == 1
