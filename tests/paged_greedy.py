@@ -72,3 +72,17 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
             if t is not None:
                 results[i].append(t)
     return results
+
+
+def greedy_tokens_and_logits(
+    runner: ModelRunner, prompts: list[list[int]], steps: int, *, shuffle_seed: int | None = None
+) -> tuple[list[list[int]], list[list[np.ndarray]]]:
+    """Per prompt, its `steps` greedy tokens and each step's logits (no early stop, so every step
+    can be compared with a reference even where a random model emits its EOS id)."""
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[np.ndarray]] = [[] for _ in prompts]
+    for step_tokens, step_logits in greedy_stream(runner, prompts, steps, shuffle_seed=shuffle_seed):
+        for i, t in enumerate(step_tokens):  # nothing stops, so row i is prompt i every step
+            tokens[i].append(t)
+            logits[i].append(step_logits[i])
+    return tokens, logits

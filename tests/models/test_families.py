@@ -22,7 +22,7 @@ from paxserve.batch import SeqChunk, build_batch
 from paxserve.model_runner import ModelRunner
 from tests.helpers import rel_error, release_compiled_programs
 from tests.models.family_checkpoints import FAMILIES, VOCAB, make_family_checkpoint
-from tests.paged_greedy import greedy_stream
+from tests.paged_greedy import greedy_tokens_and_logits
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, assert_no_blocks_held
 
 LOGIT_TOL = 1e-4
@@ -89,12 +89,7 @@ def test_decode_past_the_window_over_shuffled_pages_matches_hf(family, block_siz
     prompts = prompts_for(block_size, [19, 30])
     steps = 24  # the window (8 to 12 tokens) slides well past the prompt
     runner = ModelRunner(model, num_blocks=2 * (64 // block_size + 1) + 4, block_size=block_size)
-    ours_tokens: list[list[int]] = [[] for _ in prompts]
-    ours_logits: list[list[np.ndarray]] = [[] for _ in prompts]
-    for tokens, logits in greedy_stream(runner, prompts, steps, shuffle_seed=block_size):
-        for i, t in enumerate(tokens):
-            ours_tokens[i].append(t)
-            ours_logits[i].append(logits[i])
+    ours_tokens, ours_logits = greedy_tokens_and_logits(runner, prompts, steps, shuffle_seed=block_size)
     worst = 0.0
     for i, p in enumerate(prompts):
         ref_tokens, ref_logits = hf_greedy(hf, p, steps)

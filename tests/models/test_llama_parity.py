@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from models import LoadedModel, load_model
 from paxserve.batch import SeqChunk, build_batch, next_power_of_2
-from tests.paged_greedy import greedy_stream
+from tests.paged_greedy import greedy_tokens_and_logits
 from paxserve.model_runner import ModelRunner
 from tests.helpers import make_tiny_llama, rel_error
 
@@ -72,12 +72,7 @@ def test_decode_through_shuffled_pages_matches_hf_cached_decode(tiny, block_size
     prompts = prompts_for(block_size, [11, 26])
     steps = 17  # the prefill step plus 16 decode steps
     runner = ModelRunner(model, num_blocks=64 // block_size * 2 + 8, block_size=block_size)
-    ours_tokens: list[list[int]] = [[] for _ in prompts]
-    ours_logits: list[list[np.ndarray]] = [[] for _ in prompts]
-    for tokens, logits in greedy_stream(runner, prompts, steps, shuffle_seed=block_size):
-        for i, t in enumerate(tokens):
-            ours_tokens[i].append(t)
-            ours_logits[i].append(logits[i])
+    ours_tokens, ours_logits = greedy_tokens_and_logits(runner, prompts, steps, shuffle_seed=block_size)
     # No early stop: compare every step even where a random model happens to emit its EOS id.
     hf.generation_config = GenerationConfig(max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
     worst = 0.0
