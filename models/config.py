@@ -93,6 +93,14 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer; 0 (or an empty tuple) is full attention
     local_rope_theta: float | None = None  # RoPE base of the windowed layers when it differs (Gemma 3)
     local_rope_scaling: RopeScaling = RopeScaling()
+    # ---- mixture of experts (num_experts 0: a dense MLP on every layer) ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k: experts each token runs through
+    moe_intermediate_size: int = 0  # each expert's width
+    moe_renormalize: bool = True  # the top-k router weights rescaled to sum to 1 (Mixtral; Qwen's norm_topk_prob)
+    moe_weights_in_dtype: bool = False  # router weights rounded to the model dtype before combining (Qwen)
+    shared_expert_size: int = 0  # width of a dense expert every token also runs, sigmoid-gated (Qwen2-MoE)
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen's mlp_only_layers)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -122,6 +130,26 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model config field {name} must be > 0 or None, got {value!r}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not self.num_experts:
+            if self.num_experts_per_tok or self.moe_intermediate_size or self.shared_expert_size or self.dense_mlp_layers:
+                raise ValueError("MoE fields are set but num_experts is 0")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be a positive integer, got {self.moe_intermediate_size}")
+        if not self.gated_mlp:
+            raise ValueError("mixture-of-experts layers are gated (SwiGLU-style) MLPs")
+        if list(self.dense_mlp_layers) != sorted(set(self.dense_mlp_layers)) or any(
+                not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
+            raise ValueError(f"dense_mlp_layers must be distinct increasing layer indices in [0, {self.num_layers}), "
+                             f"got {self.dense_mlp_layers}")
+        if len(self.dense_mlp_layers) == self.num_layers:
+            raise ValueError("every layer is a dense MLP layer: set num_experts to 0 instead")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -140,6 +168,19 @@ class ModelConfig:
     @property
     def has_full_attention_layer(self) -> bool:
         return not self.layer_windows or 0 in self.layer_windows
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Layers whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_mlp_layers)
+
+    @property
+    def inactive_params_per_token(self) -> int:
+        """Expert weights a token does not run through: total params minus this are its active params."""
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size  # gate, up and down
+        return len(self.moe_layers) * (self.num_experts - self.num_experts_per_tok) * per_expert
 
     @property
     def softmax_scale(self) -> float:
@@ -169,6 +210,14 @@ class ModelConfig:
             (self.final_soft_cap is not None, f"logit soft-cap {self.final_soft_cap}"),
         ) if flag]
         mlp = f"{'gated ' if self.gated_mlp else ''}{self.hidden_act} MLP"
+        if self.num_experts:
+            mlp = (f"MoE MLP: {self.num_experts} gated {self.hidden_act} experts of width "
+                   f"{self.moe_intermediate_size}, top-{self.num_experts_per_tok} per token"
+                   f"{' (weights renormalised)' if self.moe_renormalize else ''}")
+            if self.shared_expert_size:
+                mlp += f", plus a sigmoid-gated shared expert of width {self.shared_expert_size}"
+            if self.dense_mlp_layers:
+                mlp += f", dense MLP of width {self.intermediate_size} on layers {list(self.dense_mlp_layers)}"
         return ", ".join([layers, heads, position, f"{self.norm} norm", mlp, *extras])
 
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -1,10 +1,12 @@
-"""The one functional decoder every dense family runs, driven by the spec fields of `ModelConfig`.
+"""The one functional decoder every family runs, driven by the spec fields of `ModelConfig`.
 
 Params are an explicit pytree with per-layer weights stacked on a leading layer axis, so the
 forward pass is one `lax.scan` over layers: XLA compiles the layer body once, whatever the depth,
 and the KV cache rides in the scan carry so each layer's writes update it in place. What differs
-between layers of one model (the attention window, which RoPE table) is a scanned array, not a
-Python branch, so a Gemma 3 with local and global layers still compiles one body.
+between layers of one model (the attention window, which RoPE table, an MoE model's dense or
+sparse MLP) is a scanned array, not a Python branch, so a Gemma 3 with local and global layers
+still compiles one body. MoE weights are stacks indexed by a scanned slot rather than scanned
+themselves, so a layer step slices out only the experts its tokens were routed to.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from models.config import ModelConfig
 from models.layers import dense, mlp, norm
+from models.moe import MLPParams, MoEParams, moe_mlp
 from models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 from pallas_kernels.metadata import NO_WINDOW
@@ -33,8 +36,8 @@ class LayerParams:
     attn_norm: Float[Array, "L H"]
     qkv_w: Float[Array, "L H QKV"]  # q, k and v projections side by side
     o_w: Float[Array, "L NH H"]
-    up_w: Float[Array, "L H I2"]  # gate and up side by side for a gated MLP, else up alone
-    down_w: Float[Array, "L I H"]
+    up_w: Float[Array, "L H I2"] | None = None  # gate and up side by side for a gated MLP, else up alone
+    down_w: Float[Array, "L I H"] | None = None  # (None in an MoE model: its MLPs are in DecoderParams.moe)
     attn_norm_b: Float[Array, "L H"] | None = None
     qkv_b: Float[Array, "L QKV"] | None = None
     o_b: Float[Array, "L H"] | None = None
@@ -55,6 +58,22 @@ class DecoderParams:
     final_norm: Float[Array, " H"]
     final_norm_b: Float[Array, " H"] | None = None
     lm_head: Float[Array, "H V"] | None = None  # None when tied to the embedding
+    moe: MoEParams | None = None  # stacked over cfg.moe_layers
+    dense_mlp: MLPParams | None = None  # stacked over cfg.dense_mlp_layers (an MoE model's dense layers)
+
+
+def mlp_slots(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Scanned per-layer arrays that pick an MoE model's MLP: each layer's index into the MoE (or
+    dense-MLP) stack, and whether it is an MoE layer (only when the kinds are mixed)."""
+    if not cfg.num_experts:
+        return {}
+    slots = np.zeros(cfg.num_layers, np.int32)
+    for stack in (cfg.moe_layers, cfg.dense_mlp_layers):
+        slots[list(stack)] = np.arange(len(stack), dtype=np.int32)
+    out = {"mlp_slot": slots}
+    if cfg.dense_mlp_layers:
+        out["is_moe"] = np.isin(np.arange(cfg.num_layers), cfg.moe_layers)
+    return out
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray | None:
@@ -96,6 +115,7 @@ def forward(
     scanned = {"index": jnp.arange(cfg.num_layers, dtype=jnp.int32)}
     if windows is not None:
         scanned["window"] = jnp.asarray(windows)
+    scanned |= {name: jnp.asarray(value) for name, value in mlp_slots(cfg).items()}
 
     def attend(p: LayerParams, h: Array, k_cache: Array, v_cache: Array, xs: dict[str, Array]):
         qkv = dense(h, p.qkv_w, p.qkv_b)
@@ -117,8 +137,24 @@ def forward(
         )
         return dense(out.reshape(num_tokens, q_size), p.o_w, p.o_b), k_cache, v_cache
 
-    def ffn(p: LayerParams, h: Array) -> Array:
-        return mlp(h, p.up_w, p.up_b, p.down_w, p.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp)
+    def ffn(p: LayerParams, h: Array, xs: dict[str, Array]) -> Array:
+        if not cfg.num_experts:
+            return mlp(h, p.up_w, p.up_b, p.down_w, p.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp)
+
+        def sparse(h: Array) -> Array:
+            return moe_mlp(h, params.moe, xs["mlp_slot"], top_k=cfg.num_experts_per_tok,
+                           renormalize=cfg.moe_renormalize, weights_in_dtype=cfg.moe_weights_in_dtype,
+                           act=cfg.hidden_act)
+
+        if not cfg.dense_mlp_layers:
+            return sparse(h)
+
+        def dense_layer(h: Array) -> Array:
+            d = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, xs["mlp_slot"], 0, keepdims=False),
+                             params.dense_mlp)
+            return mlp(h, d.up_w, d.up_b, d.down_w, d.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp)
+
+        return jax.lax.cond(xs["is_moe"], sparse, dense_layer, h)  # only the layer's own kind runs
 
     def layer(carry: tuple[Array, Array, Array], xs: tuple[LayerParams, dict[str, Array]]):
         x, k_cache, v_cache = carry
@@ -127,11 +163,11 @@ def forward(
         a, k_cache, v_cache = attend(p, h, k_cache, v_cache, per_layer)
         if cfg.parallel != "none":  # attention and MLP both read the layer input
             m_in = h if cfg.parallel == "shared_norm" else norm(cfg.norm, x, p.mlp_norm, p.mlp_norm_b, eps)
-            return (x + a + ffn(p, m_in), k_cache, v_cache), None
+            return (x + a + ffn(p, m_in, per_layer), k_cache, v_cache), None
         if cfg.sandwich_norm:
             a = norm(cfg.norm, a, p.post_attn_norm, None, eps)
         x = x + a
-        m = ffn(p, norm(cfg.norm, x, p.mlp_norm, p.mlp_norm_b, eps))
+        m = ffn(p, norm(cfg.norm, x, p.mlp_norm, p.mlp_norm_b, eps), per_layer)
         if cfg.sandwich_norm:
             m = norm(cfg.norm, m, p.post_mlp_norm, None, eps)
         return (x + m, k_cache, v_cache), None

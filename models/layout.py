@@ -24,8 +24,9 @@ LAYER_INDEX = "{i}"  # stands for the layer number in per-layer tensor names
 @dataclass(frozen=True)
 class Leaf:
     """One params field: HF tensors `(name, shape)` concatenated on axis 0, then `transform`
-    (a shape-preserving re-ordering, e.g. Falcon's fused QKV rows), then transposed if `linear`
-    (HF stores linear weights [out, in]; the decoder multiplies by [in, out])."""
+    (a shape-preserving re-ordering, e.g. Falcon's fused QKV rows), then the last two axes swapped
+    if `linear` (HF stores linear weights [out, in], experts [experts, out, in]; the decoder
+    multiplies by [in, out])."""
 
     parts: tuple[tuple[str, tuple[int, ...]], ...]
     linear: bool = False
@@ -34,7 +35,7 @@ class Leaf:
     def shape(self) -> tuple[int, ...]:
         rows = sum(shape[0] for _, shape in self.parts)
         shape = (rows, *self.parts[0][1][1:])
-        return tuple(reversed(shape)) if self.linear else shape
+        return (*shape[:-2], shape[-1], shape[-2]) if self.linear else shape
 
 
 def linear(*parts: tuple[str, tuple[int, ...]], transform: Callable[[np.ndarray], np.ndarray] | None = None) -> Leaf:
@@ -46,22 +47,39 @@ def vector(*parts: tuple[str, tuple[int, ...]], transform: Callable[[np.ndarray]
 
 
 @dataclass(frozen=True)
+class Stack:
+    """Per-layer fields that only some layers have (an MoE model's expert and dense-MLP layers):
+    `params_cls(**leaves)` stacked over `layers`, `{i}` in the names being the model's layer index."""
+
+    params_cls: type
+    layers: tuple[int, ...]
+    leaves: dict[str, Leaf]
+
+
+@dataclass(frozen=True)
 class Layout:
-    """`top`: DecoderParams fields other than `layers` (embed, final_norm, final_norm_b, lm_head);
-    `layer`: LayerParams fields, their names containing `{i}`. Fields left out are None."""
+    """`top`: DecoderParams array fields (embed, final_norm, final_norm_b, lm_head); `layer`:
+    LayerParams fields, their names containing `{i}`; `stacks`: DecoderParams fields holding a
+    `Stack`. Fields left out are None."""
 
     top: dict[str, Leaf]
     layer: dict[str, Leaf]
+    stacks: dict[str, Stack] = field(default_factory=dict)
 
 
 LayoutFn = Callable[[ModelConfig], Layout]
 
 
+def _per_layer(layout: Layout, num_layers: int) -> list[tuple[tuple[int, ...], dict[str, Leaf]]]:
+    return [(tuple(range(num_layers)), layout.layer)] + [(s.layers, s.leaves) for s in layout.stacks.values()]
+
+
 def tensor_shapes(layout: Layout, num_layers: int) -> dict[str, tuple[int, ...]]:
     shapes = {name: shape for leaf in layout.top.values() for name, shape in leaf.parts}
-    for i in range(num_layers):
-        for leaf in layout.layer.values():
-            shapes |= {name.replace(LAYER_INDEX, str(i)): shape for name, shape in leaf.parts}
+    for layers, leaves in _per_layer(layout, num_layers):
+        for i in layers:
+            for leaf in leaves.values():
+                shapes |= {name.replace(LAYER_INDEX, str(i)): shape for name, shape in leaf.parts}
     return shapes
 
 
@@ -71,7 +89,7 @@ def _build(leaf: Leaf, read: Callable[[str], np.ndarray], i: int | None) -> np.n
     t = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
     if leaf.transform is not None:
         t = leaf.transform(t)
-    return t.T if leaf.linear else t
+    return np.swapaxes(t, -1, -2) if leaf.linear else t
 
 
 def params_from_layout(
@@ -80,18 +98,23 @@ def params_from_layout(
     """Read and convert every tensor; per-layer fields are stacked on a leading layer axis (filled
     in place, so peak host memory is one stacked copy)."""
 
-    def stacked(leaf: Leaf) -> jax.Array:
-        out = np.empty((num_layers, *leaf.shape()), dtype)
-        for i in range(num_layers):
-            out[i] = _build(leaf, read, i)
+    def stacked(leaf: Leaf, layers: tuple[int, ...]) -> jax.Array:
+        out = np.empty((len(layers), *leaf.shape()), dtype)
+        for row, i in enumerate(layers):
+            out[row] = _build(leaf, read, i)
         return jnp.asarray(out)
 
-    layers = LayerParams(**{name: stacked(leaf) for name, leaf in layout.layer.items()})
+    everything = tuple(range(num_layers))
+    layers = LayerParams(**{name: stacked(leaf, everything) for name, leaf in layout.layer.items()})
     top = {name: jnp.asarray(np.asarray(_build(leaf, read, None), dtype)) for name, leaf in layout.top.items()}
-    return DecoderParams(layers=layers, **top)
+    stacks = {field_name: s.params_cls(**{name: stacked(leaf, s.layers) for name, leaf in s.leaves.items()})
+              for field_name, s in layout.stacks.items()}
+    return DecoderParams(layers=layers, **top, **stacks)
 
 
 def abstract_from_layout(layout: Layout, num_layers: int, dtype: np.dtype) -> DecoderParams:
     s = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     layers = LayerParams(**{name: s((num_layers, *leaf.shape())) for name, leaf in layout.layer.items()})
-    return DecoderParams(layers=layers, **{name: s(leaf.shape()) for name, leaf in layout.top.items()})
+    stacks = {field_name: st.params_cls(**{name: s((len(st.layers), *leaf.shape())) for name, leaf in st.leaves.items()})
+              for field_name, st in layout.stacks.items()}
+    return DecoderParams(layers=layers, **{name: s(leaf.shape()) for name, leaf in layout.top.items()}, **stacks)

@@ -37,7 +37,7 @@ DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
 }
 # Bump when the params layout or a conversion changes, so stale cache entries are not reused.
-_CONVERTER_VERSION = "2"  # 2: one decoder for every family (params pytree reshaped)
+_CONVERTER_VERSION = "3"  # 2: one decoder for every family (params pytree reshaped); 3: MoE stacks
 
 
 @dataclass
@@ -200,8 +200,11 @@ class _RenamedCheckpoint:
         return self._ckpt.read(self._original[name])
 
 
-def _renamed(ckpt: Any, rename: Callable[[str], str] | None) -> Any:
-    return ckpt if rename is None else _RenamedCheckpoint(ckpt, rename)
+def _as_laid_out(ckpt: Any, arch: Architecture) -> Any:
+    """The checkpoint under the tensor names the architecture's layout uses."""
+    if arch.rename is not None:
+        ckpt = _RenamedCheckpoint(ckpt, arch.rename)
+    return ckpt if arch.view is None else arch.view(ckpt)
 
 
 def _read_hf_config(directory: Path) -> dict[str, Any]:
@@ -229,12 +232,13 @@ def _load_gguf(
         cached = _restore_cached(entry, abstract_of)
         if cached is not None:
             return (*cached, True)
-    ckpt = GGUFCheckpoint(path)
-    hf_config = ckpt.hf_config()
+    gguf_file = GGUFCheckpoint(path)
+    hf_config = gguf_file.hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
+    ckpt = _as_laid_out(gguf_file, arch)
     check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
     params = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}")
-    tokenizer = tokenizer_from_gguf(ckpt)
+    tokenizer = tokenizer_from_gguf(gguf_file)
     if use_cache:
         _save_cached(entry, params, hf_config, tokenizer)
     return params, hf_config, tokenizer, False
@@ -301,6 +305,10 @@ def _check_tokenizer_vocab(tok: PreTrainedTokenizerBase, vocab_size: int, source
                          f"{vocab_size}: it is not this model's tokenizer")
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     dtype: str = "auto",
@@ -325,7 +333,7 @@ def load_model(
         hf_config = _read_hf_config(path)
         generation_config = _read_generation_config(path)
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
-        ckpt = _renamed(SafetensorsCheckpoint(path), arch.rename)
+        ckpt = _as_laid_out(SafetensorsCheckpoint(path), arch)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
         params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}")
         tokenizer = tokenizer_from_directory(path) if tokenizer_override is None else None
@@ -344,6 +352,11 @@ def load_model(
         seconds, " (from param cache)" if from_cache else "",
     )
     logger.info("model: %s", cfg.describe())
+    if cfg.num_experts:
+        active = n_params - cfg.inactive_params_per_token
+        logger.info("MoE: %d experts on %d of %d layers, %d routed per token: %s params in all (every expert "
+                    "counted in the memory plan), %s active per token", cfg.num_experts, len(cfg.moe_layers),
+                    cfg.num_layers, cfg.num_experts_per_tok, _count(n_params), _count(active))
     return LoadedModel(
         config=cfg, params=params, architecture=arch, tokenizer=tokenizer, dtype=np_dtype, source=str(path),
         generation_config=generation_config, load_seconds=seconds, from_cache=from_cache,

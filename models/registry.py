@@ -1,7 +1,8 @@
 """Architectures by their Hugging Face `architectures` name.
 
 Every family runs the same decoder (`models.decoder.forward`); an entry here only says how to read
-the family's config (`config_from_hf`) and where its tensors live (`layout`).
+the family's config (`config_from_hf`) and where its tensors live (`layout`, seen through `rename`
+and `view`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from models import decoder, layout
 from models.config import ModelConfig
-from models.families import falcon, gemma3, llama, qwen
+from models.families import falcon, gemma3, llama, moe, qwen
 from models.families.common import llama_layout
 
 # Tensors some checkpoints carry that hold nothing the model needs (old rotary caches).
@@ -31,6 +32,7 @@ class Architecture:
     hf_ignored_suffixes: tuple[str, ...] = _ROTARY_CACHES
     hf_ignored_prefixes: tuple[str, ...] = ()  # parts of a checkpoint a text model does not read
     rename: Callable[[str], str] | None = None  # legacy tensor names -> the names `layout` uses
+    view: Callable[[Any], Any] | None = None  # the checkpoint as `layout` names it (e.g. experts fused)
 
     def hf_tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must hold, with its HF ([out, in]) shape."""
@@ -55,6 +57,9 @@ _ENTRIES = (
     Architecture("Gemma3ForConditionalGeneration", gemma3.gemma3_config, gemma3.gemma3_multimodal_layout,
                  hf_ignored_prefixes=gemma3.MULTIMODAL_IGNORED_PREFIXES, rename=gemma3.rename_legacy),
     Architecture("FalconForCausalLM", falcon.falcon_config, falcon.falcon_layout),
+    Architecture("MixtralForCausalLM", moe.mixtral_config, moe.moe_layout, view=moe.FusedExperts),
+    Architecture("Qwen2MoeForCausalLM", moe.qwen2_moe_config, moe.moe_layout, view=moe.FusedExperts),
+    Architecture("Qwen3MoeForCausalLM", moe.qwen3_moe_config, moe.moe_layout, view=moe.FusedExperts),
 )
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in _ENTRIES}
 

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of every dense family, written with transformers' own `save_pretrained`.
+"""Tiny random checkpoints of every family, written with transformers' own `save_pretrained`.
 
 Every weight is drawn at random (biases too; norm scales near 1), since transformers' init (zero
 biases, unit norms) would hide a missing bias or a misplaced norm. Windows are short (8-12
@@ -49,7 +49,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # Falcon-RW style: ALiBi, per-head interleaved QKV, sequential pre-LN, biases.
     "falcon-rw-alibi": ("FalconConfig", "FalconForCausalLM",
                         dict(_FALCON, alibi=True, multi_query=False, parallel_attn=False, bias=True)),
+    # Mixtral: 4 experts of width 48, top-2 renormalised, GQA, a window on every layer.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(_COMMON, intermediate_size=48, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=12, rms_norm_eps=1e-5)),
+    # Qwen2-MoE: q/k/v biases, 4 experts top-2 without renormalisation, a sigmoid-gated shared expert.
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=40, norm_topk_prob=False)),
+    # Qwen3-MoE: q/k norms, 6 experts top-3 renormalised; layer 1 dense (mlp_only_layers) among sparse ones.
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=32, num_experts=6,
+                       num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
 }
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 
 def make_family_checkpoint(name: str, directory: Path, seed: int = 0):

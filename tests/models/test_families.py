@@ -1,4 +1,5 @@
-"""Every dense family through the one decoder against Hugging Face transformers (torch, CPU, float32).
+"""Every family, dense and mixture-of-experts, through the one decoder against Hugging Face
+transformers (torch, CPU, float32).
 
 Per family (tests/models/family_checkpoints.py): prefill logits of prompts shorter and longer
 than the window; greedy decode far past the window over shuffled pages at block sizes 8/16/32
@@ -21,7 +22,7 @@ from paxserve import Engine, SamplingParams
 from paxserve.batch import SeqChunk, build_batch
 from paxserve.model_runner import ModelRunner
 from tests.helpers import rel_error, release_compiled_programs
-from tests.models.family_checkpoints import FAMILIES, VOCAB, make_family_checkpoint
+from tests.models.family_checkpoints import FAMILIES, MOE_FAMILIES, VOCAB, make_family_checkpoint
 from tests.paged_greedy import greedy_tokens_and_logits
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, assert_no_blocks_held
 
@@ -59,16 +60,23 @@ def test_config_maps_onto_the_spec(family) -> None:
     cfg, hcfg = model.config, hf.config
     assert cfg.num_layers == hcfg.num_hidden_layers and cfg.vocab_size == hcfg.vocab_size
     windows = getattr(hcfg, "sliding_window", None)
-    if name.startswith(("gemma3", "qwen2")):
+    if name in ("gemma3", "qwen2-window"):
         expected = tuple(windows if t == "sliding_attention" else 0 for t in hcfg.layer_types)
         assert cfg.layer_windows == expected and 0 in expected and any(expected)
-    elif name == "mistral-window":
+    elif name in ("mistral-window", "mixtral"):
         assert cfg.layer_windows == (12,) * cfg.num_layers
     else:
         assert not any(cfg.layer_windows)
     if name == "gemma3":
         assert cfg.local_rope_theta == 1e4 and cfg.rope_theta == 1e6 and cfg.rope_scaling.rope_type == "linear"
     assert cfg.alibi == (name == "falcon-rw-alibi")
+    if name in MOE_FAMILIES:
+        assert cfg.num_experts == getattr(hcfg, "num_local_experts", getattr(hcfg, "num_experts", None)) and cfg.num_experts_per_tok == hcfg.num_experts_per_tok
+        assert cfg.moe_renormalize == (name == "mixtral" or hcfg.norm_topk_prob)
+        assert cfg.shared_expert_size == (40 if name == "qwen2-moe" else 0)
+        assert cfg.dense_mlp_layers == ((1,) if name == "qwen3-moe" else ())
+    else:
+        assert cfg.num_experts == 0
 
 
 def test_prefill_logits_match_hf(family, report) -> None:

@@ -1,0 +1,174 @@
+"""Mixture-of-experts MLP that computes only the routed experts.
+
+Each token's top-k (token, expert) pairs are sorted by expert, so every expert's rows are one
+contiguous run of a [tokens * k, hidden] array. The runs are cut into row tiles of a fixed size,
+each tile belonging to one expert, and a `lax.scan` over a static number of tiles multiplies each
+tile by its expert's matrix alone; tiles past the routed rows are skipped by `lax.cond`. Group sizes
+are runtime data, so the program never recompiles as routing changes, and no capacity factor drops
+tokens.
+
+Why not `jax.lax.ragged_dot`: on CPU (JAX 0.10/0.11) it lowers to a masked dense product over every
+group, and XLA's CUDA lowering materialises the same dense form unless a cuDNN fusion applies. That
+is all-experts compute (and an expert holding NaN poisons every token through 0 * NaN);
+benchmarks/moe.py measures both side by side.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+from models.layers import activation, dense, mlp
+
+MAX_TILE_ROWS = 256
+
+
+@struct.dataclass
+class MoEParams:
+    """The MoE layers' weights, each stacked on a leading axis over the model's MoE layers (which
+    need not be all layers); matrices are [in, out]."""
+
+    router_w: Float[Array, "L H E"]
+    experts_up_w: Float[Array, "L E H I2"]  # each expert's gate and up side by side
+    experts_down_w: Float[Array, "L E I H"]
+    shared_up_w: Float[Array, "L H S2"] | None = None  # Qwen2-MoE's shared expert
+    shared_down_w: Float[Array, "L S H"] | None = None
+    shared_gate_w: Float[Array, "L H 1"] | None = None
+
+
+@struct.dataclass
+class MLPParams:
+    """Dense MLP weights of the dense layers of an MoE model, stacked over those layers."""
+
+    up_w: Float[Array, "L H I2"]
+    down_w: Float[Array, "L I H"]
+    up_b: Float[Array, "L I2"] | None = None
+    down_b: Float[Array, "L H"] | None = None
+
+
+@struct.dataclass
+class TilePlan:
+    """Which rows of the expert-sorted array each tile covers: tile t multiplies rows
+    [row_start[t], row_start[t] + num_rows[t]) by expert `expert[t]`; num_rows 0 means skip."""
+
+    expert: Int[Array, " NT"]
+    row_start: Int[Array, " NT"]
+    num_rows: Int[Array, " NT"]
+    tile_rows: int = struct.field(pytree_node=False)
+
+
+def route(
+    x: Float[Array, "T H"], router_w: Float[Array, "H E"], top_k: int, renormalize: bool
+) -> tuple[Float[Array, "T K"], Int[Array, "T K"]]:
+    """transformers' router: logits in the model dtype, softmax over all experts in float32, top-k,
+    optionally rescaled to sum to 1. Returns float32 weights and int32 expert ids."""
+    probs = jax.nn.softmax(dense(x, router_w).astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def tile_rows_for(num_rows: int, num_experts: int) -> int:
+    """Rows per tile: the mean group size rounded up to a power of two (so a balanced routing fills
+    about one tile per expert), capped so a tile's product stays a modest matmul."""
+    mean = -(-num_rows // num_experts)
+    return min(MAX_TILE_ROWS, 1 << max(0, (mean - 1).bit_length()))
+
+
+def plan_tiles(group_sizes: Int[Array, " E"], num_rows: int, tile_rows: int) -> TilePlan:
+    """Cut each expert's run of sorted rows into tiles of `tile_rows`. The tile count is static:
+    sum(ceil(n_e / m)) <= num_rows // m + min(E, num_rows), since each non-empty group adds at most
+    one partial tile."""
+    num_experts = group_sizes.shape[0]
+    num_tiles = num_rows // tile_rows + min(num_experts, num_rows)
+    tiles = (group_sizes + tile_rows - 1) // tile_rows
+    tile_end = jnp.cumsum(tiles)
+    group_start = jnp.cumsum(group_sizes) - group_sizes
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)  # the group tile t falls in
+    used = expert < num_experts
+    expert = jnp.minimum(expert, num_experts - 1)
+    first = t - (tile_end[expert] - tiles[expert])  # tile t's index within its group
+    row_start = group_start[expert] + first * tile_rows
+    num_rows_in = jnp.where(used, jnp.clip(group_sizes[expert] - first * tile_rows, 0, tile_rows), 0)
+    return TilePlan(expert=expert, row_start=row_start.astype(jnp.int32),
+                    num_rows=num_rows_in.astype(jnp.int32), tile_rows=tile_rows)
+
+
+def grouped_matmul(
+    lhs: Float[Array, "M K"], rhs: Float[Array, "*L E K N"], plan: TilePlan, layer: Int[Array, ""] | None = None
+) -> Float[Array, "M N"]:
+    """Rows of `lhs` (sorted by group, as `plan` describes) times their group's matrix of `rhs`,
+    float32 accumulation. `rhs` may carry a leading layer axis, picked by `layer`: only the one
+    expert matrix a tile needs is sliced out, never a layer's whole expert stack."""
+    m, (num_rows, k), n = plan.tile_rows, lhs.shape, rhs.shape[-1]
+    padded = jnp.concatenate([lhs, jnp.zeros((m, k), lhs.dtype)])  # a tile's slice never runs off the end
+    lead = () if layer is None else (layer,)
+
+    def tile(out: Array, t: tuple[Array, Array, Array]) -> tuple[Array, None]:
+        expert, start, count = t
+
+        def run(out: Array) -> Array:
+            rows = jax.lax.dynamic_slice_in_dim(padded, start, m)
+            w = jax.lax.dynamic_slice(rhs, (*lead, expert, 0, 0), (*(1 for _ in lead), 1, k, n)).reshape(k, n)
+            y = jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+            keep = jax.lax.dynamic_slice_in_dim(out, start, m)  # rows past the group belong to the next one
+            y = jnp.where(jnp.arange(m)[:, None] < count, y.astype(out.dtype), keep)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
+
+        return jax.lax.cond(count > 0, run, lambda o: o, out), None
+
+    out = jnp.zeros((num_rows + m, n), lhs.dtype)
+    out, _ = jax.lax.scan(tile, out, (plan.expert, plan.row_start, plan.num_rows))
+    return out[:num_rows]
+
+
+def experts_forward(
+    x: Float[Array, "T H"],
+    weights: Float[Array, "T K"],
+    experts: Int[Array, "T K"],
+    up_w: Float[Array, "*L E H I2"],
+    down_w: Float[Array, "*L E I H"],
+    *,
+    act: str,
+    layer: Int[Array, ""] | None = None,
+) -> Float[Array, "T H"]:
+    """Sum over each token's k experts of weight * expert(x), running only those experts."""
+    num_tokens, top_k = experts.shape
+    num_experts = up_w.shape[-3]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    plan = plan_tiles(sizes, flat.shape[0], tile_rows_for(flat.shape[0], num_experts))
+    h = grouped_matmul(x[order // top_k], up_w, plan, layer)
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = grouped_matmul(activation(act, gate) * up, down_w, plan, layer)
+    unsorted = jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, top_k, -1)
+    out = jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), unsorted.astype(jnp.float32))
+    return out.astype(x.dtype)
+
+
+def moe_mlp(
+    x: Float[Array, "T H"],
+    p: MoEParams,
+    layer: Int[Array, ""],
+    *,
+    top_k: int,
+    renormalize: bool,
+    weights_in_dtype: bool,
+    act: str,
+) -> Float[Array, "T H"]:
+    """One MoE layer (`layer` indexes the stacked `p`): routed experts, plus Qwen2-MoE's shared
+    expert scaled by sigmoid(x @ shared_gate) when the model has one."""
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
+    weights, experts = route(x, take(p.router_w), top_k, renormalize)
+    if weights_in_dtype:  # Qwen rounds the weights to the model dtype; Mixtral keeps float32
+        weights = weights.astype(x.dtype)
+    out = experts_forward(x, weights, experts, p.experts_up_w, p.experts_down_w, act=act, layer=layer)
+    if p.shared_up_w is not None:
+        shared = mlp(x, take(p.shared_up_w), None, take(p.shared_down_w), None, act=act, gated=True)
+        out = out + jax.nn.sigmoid(dense(x, take(p.shared_gate_w))) * shared
+    return out
