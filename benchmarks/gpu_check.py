@@ -11,7 +11,9 @@
     `jax.experimental.pallas.ops.gpu.paged_attention` (cache laid out as [kv_heads, pages, page, dim])
     and the XLA reference, next to a measured device-to-device copy bandwidth;
 (c) offline generation with the Engine on a random-weight Llama-3-8B-shaped model (bfloat16, 256
-    prompts x 512 tokens, 128 output tokens each) next to the memory-bandwidth bound of its decode.
+    prompts x 512 tokens, 128 output tokens each) next to the memory-bandwidth bound of its decode;
+(d) the MoE layer at Mixtral-8x7B shapes: tiled expert products vs all experts, and its time next
+    to `jax.lax.ragged_dot` and a dense MLP of the active size (benchmarks/gpu_check_moe.py).
 
 Needs nothing outside the repository. Each part runs under a shared time budget (`--budget`) and a
 failure in one part is reported in the table without stopping the others.
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.gpu_check_moe import part_d  # noqa: E402
 from pallas_kernels.alibi import alibi_slopes  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
@@ -353,7 +356,8 @@ def main() -> None:
     bw = None
     parts = (("a", lambda: part_a(args.smoke, interpret)),
              ("b", lambda: part_b(args.smoke, interpret, deadline - (0 if args.smoke else 150))),
-             ("c", lambda: part_c(args.smoke, deadline, bw)))
+             ("c", lambda: part_c(args.smoke, deadline - (0 if args.smoke else 30), bw)),
+             ("d", lambda: part_d(args.smoke, row, timed, bw)))
     try:
         for name, part in parts:
             if time.monotonic() > deadline:

@@ -22,7 +22,9 @@ from jaxtyping import Array, Float, Int
 
 from models.layers import activation, dense, mlp
 
-MAX_TILE_ROWS = 256
+# Tile heights: below ~16 rows a tile's product is bound by reading its expert's matrix, so fewer,
+# taller tiles cost nothing extra and read each routed expert once; above 256 padding waste dominates.
+MIN_TILE_ROWS, MAX_TILE_ROWS = 16, 256
 
 
 @struct.dataclass
@@ -73,9 +75,9 @@ def route(
 
 def tile_rows_for(num_rows: int, num_experts: int) -> int:
     """Rows per tile: the mean group size rounded up to a power of two (so a balanced routing fills
-    about one tile per expert), capped so a tile's product stays a modest matmul."""
+    about one tile per expert), within [MIN_TILE_ROWS, MAX_TILE_ROWS]."""
     mean = -(-num_rows // num_experts)
-    return min(MAX_TILE_ROWS, 1 << max(0, (mean - 1).bit_length()))
+    return min(MAX_TILE_ROWS, max(MIN_TILE_ROWS, 1 << max(0, (mean - 1).bit_length())))
 
 
 def plan_tiles(group_sizes: Int[Array, " E"], num_rows: int, tile_rows: int) -> TilePlan:
@@ -110,16 +112,17 @@ def grouped_matmul(
 
     def tile(out: Array, t: tuple[Array, Array, Array]) -> tuple[Array, None]:
         expert, start, count = t
+        keep = jax.lax.dynamic_slice_in_dim(out, start, m)  # rows past the group belong to the next one
 
-        def run(out: Array) -> Array:
+        def run() -> Array:
             rows = jax.lax.dynamic_slice_in_dim(padded, start, m)
             w = jax.lax.dynamic_slice(rhs, (*lead, expert, 0, 0), (*(1 for _ in lead), 1, k, n)).reshape(k, n)
             y = jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-            keep = jax.lax.dynamic_slice_in_dim(out, start, m)  # rows past the group belong to the next one
-            y = jnp.where(jnp.arange(m)[:, None] < count, y.astype(out.dtype), keep)
-            return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
+            return jnp.where(jnp.arange(m)[:, None] < count, y.astype(out.dtype), keep)
 
-        return jax.lax.cond(count > 0, run, lambda o: o, out), None
+        # Only the tile passes through the cond: the whole output as its operand would be copied.
+        y = jax.lax.cond(count > 0, run, lambda: keep)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0), None
 
     out = jnp.zeros((num_rows + m, n), lhs.dtype)
     out, _ = jax.lax.scan(tile, out, (plan.expert, plan.row_start, plan.num_rows))

@@ -16,7 +16,7 @@ def test_gpu_check_smoke_runs_and_passes() -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     table = proc.stdout.split("gpu_check summary", 1)[1]
-    for part in ("a", "b", "c"):
+    for part in ("a", "b", "c", "d"):
         assert f"\n{part} " in table, f"part {part} missing from the summary:\n{table}"
     assert "FAIL" not in table and "ERROR" not in table and "skipped" not in table, table
     assert "offline 4 x 16 -> 4" in table
