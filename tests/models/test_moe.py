@@ -171,3 +171,23 @@ def test_config_checks_and_describes_the_experts() -> None:
             ModelConfig(**{**base, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, **bad})
     with pytest.raises(ValueError, match="num_experts is 0"):
         ModelConfig(**base, num_experts_per_tok=2)
+
+
+def test_memory_plan_counts_every_expert_and_the_log_says_what_is_active(mixtral, caplog) -> None:
+    import logging
+
+    from models.loader import inspect_model
+
+    _, model, directory = mixtral
+    leaves = jax.tree.leaves(model.params)
+    assert inspect_model(directory).weight_bytes == sum(a.size * a.dtype.itemsize for a in leaves)
+    cfg = model.config
+    expert_params = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert model.params.moe.experts_up_w.size + model.params.moe.experts_down_w.size == expert_params
+    with caplog.at_level(logging.INFO, logger="models.loader"):
+        load_model(directory)
+    total = sum(a.size for a in leaves)
+    active = total - cfg.num_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("MoE:"))
+    assert line.startswith("MoE: 4 experts on 2 of 2 layers, 2 routed per token")
+    assert f"{total / 1e6:.2f}M params in all" in line and f"{active / 1e6:.2f}M active per token" in line
