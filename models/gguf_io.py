@@ -2,7 +2,10 @@
 
 `GGUFCheckpoint` gives the config dict transformers builds for the file (`hf_config`) and the
 tensors under the names and values transformers' modeling code expects (`read`), dequantized with
-the `gguf` package. Architectures: llama (Llama, Mistral, SmolLM...), qwen2, qwen3, gemma3.
+the `gguf` package. Architectures: llama (Llama, Mistral, SmolLM...; with `llama.expert_count`,
+Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, gemma3. llama.cpp stores each MoE layer's experts as
+stacked tensors (`ffn_gate_exps` and `ffn_up_exps` [experts, width, hidden], `ffn_down_exps`); the
+gate and up stacks are read as the one `mlp.experts.gate_up_proj` transformers v5 keeps in memory.
 
 Why not call transformers' own GGUF loader (`modeling_gguf_pytorch_utils.load_gguf_checkpoint`)?
 It needs torch, which paxserve does not have at run time, and it works out the tensor names from a
@@ -31,6 +34,19 @@ _ATTENTION = {
 }
 _MLP = {f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
 _QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# Two GGUF names mapped to one HF name are its parts, concatenated on axis 1 in this order.
+_EXPERTS = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the router
+    "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_SHARED_EXPERT = {
+    **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",  # stored as [hidden], read as [1, hidden]
+}
+# llama.cpp's layout before stacked experts (early 2024): one tensor per expert, `blk.{i}.ffn_gate.{e}.weight`.
+_PER_EXPERT = re.compile(r"^blk\.\d+\.ffn_(?:gate|up|down)\.\d+\.weight$")
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,9 @@ class _Arch:
     norm_plus_one: bool = False  # llama.cpp stores Gemma norm weights as w + 1
     has_head_dim: bool = True  # the config class has a `head_dim` field (Qwen2Config has not)
     has_bias_flag: bool = True  # `attention_bias` is a config field (Qwen2 always has q/k/v biases)
+    table: str | None = None  # its key in transformers' GGUF_CONFIG_MAPPING, when not the GGUF architecture
+    extra_keys: tuple[tuple[str, str], ...] = ()  # GGUF keys (after `{arch}.`) -> config keys, beyond that table
+    moe: bool = False  # MoE layers; a Qwen file's layers without a router are dense (`mlp_only_layers`)
 
 
 # Written out rather than derived from `gguf`'s TensorNameMap (HF -> GGUF for every model family at
@@ -54,6 +73,10 @@ _ARCHS = {
     "llama": _Arch("LlamaForCausalLM", "llama", _LLAMA_LIKE, permuted_qk=True),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LIKE, has_head_dim=False, has_bias_flag=False),
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LIKE, **_QK_NORM}),
+    "qwen2moe": _Arch("Qwen2MoeForCausalLM", "qwen2_moe", {**_LLAMA_LIKE, **_EXPERTS, **_SHARED_EXPERT},
+                      has_head_dim=False, has_bias_flag=False, table="qwen2_moe", moe=True),
+    "qwen3moe": _Arch("Qwen3MoeForCausalLM", "qwen3_moe", {**_LLAMA_LIKE, **_QK_NORM, **_EXPERTS},
+                      table="qwen3_moe", moe=True),
     "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", {
         **_ATTENTION, **_MLP, **_QK_NORM,
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -61,6 +84,11 @@ _ARCHS = {
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     }, norm_plus_one=True),
 }
+# A `llama` file with experts is Mixtral as llama.cpp's converter writes it (transformers builds a dense
+# Llama from it, MLPs left random); its config is Llama's table plus the expert counts, as llama.cpp reads them.
+_MIXTRAL = _Arch("MixtralForCausalLM", "mixtral", {**_LLAMA_LIKE, **_EXPERTS}, permuted_qk=True, table="llama",
+                 extra_keys=(("expert_count", "num_local_experts"), ("expert_used_count", "num_experts_per_tok")),
+                 moe=True)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -82,6 +110,12 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     the same reshape as transformers' `LlamaTensorProcessor._reverse_permute_weights`."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _arch_of(gguf_arch: str | None, metadata: dict[str, Any]) -> _Arch | None:
+    if gguf_arch == "llama" and metadata.get("llama.expert_count"):
+        return _MIXTRAL
+    return _ARCHS.get(gguf_arch)
 
 
 def model_type_of(gguf_arch: str | None) -> str | None:
@@ -107,16 +141,27 @@ class GGUFCheckpoint:
             except Exception:  # noqa: BLE001 - an unreadable metadata entry we do not use
                 continue
         self.arch = self.metadata.get("general.architecture")
-        spec = _ARCHS.get(self.arch)
-        self._gguf_names = {t.name for t in self.reader.tensors}
-        self._tensors = {}
+        self.spec = _arch_of(self.arch, self.metadata)
+        self._gguf_tensors = {t.name: t for t in self.reader.tensors}
+        self._tensors: dict[str, list[Any]] = {}  # HF name -> its GGUF tensor, or a fused tensor's parts
         self._unknown: list[str] = []
         for t in self.reader.tensors:
-            hf = self._hf_name(t.name, spec)
+            hf = self._hf_name(t.name, self.spec)
             if hf is None:
                 self._unknown.append(t.name)
             else:
-                self._tensors[hf] = t
+                self._tensors.setdefault(hf, []).append(t)
+        for hf, found in list(self._tensors.items()):
+            if (m := _BLOCK.match(found[0].name)) is None:
+                continue
+            names = [g for g, h in self.spec.layer_names.items() if h == self.spec.layer_names[m.group(2)]]
+            if len(names) > 1:  # a fused tensor: its parts in the spec's order or, lacking one, its
+                got = {_BLOCK.match(t.name).group(2): t for t in found}  # parts unmapped (the check names them)
+                if set(got) == set(names):
+                    self._tensors[hf] = [got[g] for g in names]
+                else:
+                    del self._tensors[hf]
+                    self._unknown += [t.name for t in found]
 
     @staticmethod
     def _hf_name(name: str, spec: _Arch | None) -> str | None:
@@ -133,12 +178,12 @@ class GGUFCheckpoint:
         return self.reader.fields[key].contents() if key in self.reader.fields else None
 
     def _spec(self) -> _Arch:
-        if self.arch not in _ARCHS:
+        if self.spec is None:
             raise ValueError(
                 f"{self.path}: GGUF architecture {self.arch!r} is not supported; "
                 f"supported: {', '.join(sorted(_ARCHS))}"
             )
-        return _ARCHS[self.arch]
+        return self.spec
 
     def hf_config(self) -> dict[str, Any]:
         """The config dict transformers builds for this file, as `save_pretrained` writes it
@@ -153,16 +198,19 @@ class GGUFCheckpoint:
         # (transformers treats a llama file named exactly "mistral" as MistralForCausalLM; same tensors
         # and maths, so paxserve keeps Llama.)
         raw: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(spec.model_type, {}))
-        for prefix, table in ((a, GGUF_CONFIG_MAPPING[a]), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
+        arch_table = {**GGUF_CONFIG_MAPPING[spec.table or a], **dict(spec.extra_keys)}
+        for prefix, table in ((a, arch_table), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
             for suffix, hf_key in table.items():
                 if hf_key is not None and f"{prefix}.{suffix}" in md:
                     raw[hf_key] = md[f"{prefix}.{suffix}"]
-        for required in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                         "rms_norm_eps"):
-            if required not in raw:
-                gguf_key = next(f"{a}.{k}" for k, v in GGUF_CONFIG_MAPPING[a].items() if v == required)
+        required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps"]
+        if spec.moe:  # llama.cpp needs both; transformers' class defaults (60 experts, top-4...) are not the file's
+            required += [arch_table["expert_count"], "num_experts_per_tok"]
+        for key in required:
+            if key not in raw:
+                gguf_key = next(f"{a}.{k}" for k, v in arch_table.items() if v == key)
                 raise ValueError(f"{self.path}: GGUF metadata lacks {gguf_key!r}")
-        raw["tie_word_embeddings"] = "output.weight" not in self._gguf_names
+        raw["tie_word_embeddings"] = "output.weight" not in self._gguf_tensors
         if "vocab_size" not in raw:
             if "tokenizer.ggml.tokens" not in self.reader.fields:
                 raise ValueError(f"{self.path}: GGUF metadata lacks {a}.vocab_size and tokenizer.ggml.tokens")
@@ -174,14 +222,18 @@ class GGUFCheckpoint:
     def _check_supported(self) -> None:
         """Features of the file that change the model's maths and that paxserve cannot express."""
         a, md = self.arch, self.metadata
-        if "rope_freqs.weight" in self._gguf_names:
+        if "rope_freqs.weight" in self._gguf_tensors:
             raise ValueError(
                 f"{self.path}: GGUF files with per-frequency rope factors (rope_freqs.weight, Llama 3.1 style) "
                 "are not supported yet; load the Hugging Face checkpoint directory instead"
             )
-        if md.get(f"{a}.expert_count"):
-            raise ValueError(f"{self.path}: mixture-of-experts GGUF files ({a}.expert_count="
+        if md.get(f"{a}.expert_count") and not self._spec().moe:
+            raise ValueError(f"{self.path}: mixture-of-experts {a} GGUF files ({a}.expert_count="
                              f"{md[f'{a}.expert_count']}) are not supported")
+        per_expert = sorted(n for n in self._gguf_tensors if _PER_EXPERT.match(n))
+        if per_expert:
+            raise ValueError(f"{self.path}: experts stored one tensor each ({per_expert[0]}, llama.cpp's layout "
+                             "of early 2024) are not supported; convert the model again with a current llama.cpp")
         k_len, v_len = md.get(f"{a}.attention.key_length"), md.get(f"{a}.attention.value_length")
         if k_len is not None and v_len is not None and k_len != v_len:
             raise ValueError(f"{self.path}: GGUF key_length {k_len} != value_length {v_len} is not supported")
@@ -197,14 +249,15 @@ class GGUFCheckpoint:
     def _deviations(self, spec: _Arch) -> dict[str, Any]:
         """Where transformers' GGUF config reading drops something the file says (it reads none
         of these keys), set from the file so the model computes what llama.cpp computes. Each is
-        absent from ordinary files of these models, so there the dict equals transformers'."""
+        absent from ordinary files of the dense models, so there the dict equals transformers';
+        Qwen MoE files always state their experts' widths, which transformers' tables do not read."""
         a, md, out = self.arch, self.metadata, {}
         k_len = md.get(f"{a}.attention.key_length")
         if k_len is not None and spec.has_head_dim:
             out["head_dim"] = int(k_len)  # transformers' qwen3 table ignores it (Qwen3Config's 128 stands)
         elif k_len is not None and k_len != md[f"{a}.embedding_length"] // md[f"{a}.attention.head_count"]:
             raise ValueError(f"{self.path}: {a} with head_dim {k_len} != hidden_size / heads is not supported")
-        if spec.has_bias_flag and "blk.0.attn_q.bias" in self._gguf_names:
+        if spec.has_bias_flag and "blk.0.attn_q.bias" in self._gguf_tensors:
             out["attention_bias"] = True  # transformers would build the model without them and drop them
         rope = self._rope_scaling()
         if a == "gemma3":
@@ -221,6 +274,31 @@ class GGUFCheckpoint:
                 }
         elif rope:
             out["rope_parameters"] = {"rope_theta": float(md.get(f"{a}.rope.freq_base", 10_000.0)), **rope}
+        elif spec is _MIXTRAL and f"{a}.rope.freq_base" not in md:  # llama.cpp's default, not MixtralConfig's 1e6
+            out["rope_parameters"] = {"rope_type": "default", "rope_theta": 10_000.0}
+        if spec.moe and spec is not _MIXTRAL:
+            out |= self._qwen_moe_deviations()
+        return out
+
+    def _qwen_moe_deviations(self) -> dict[str, Any]:
+        """The experts' widths (transformers' qwen2_moe / qwen3_moe tables read neither key, leaving
+        the class defaults, 1408 and 5632 for Qwen2-MoE, 768 for Qwen3-MoE), from the key or, where a
+        file lacks it, from the tensors; and the layers without a router as `mlp_only_layers`
+        (transformers would make every layer sparse; llama.cpp has no dense layers in these files)."""
+        a, md, out = self.arch, self.metadata, {}
+        n = int(md[f"{a}.block_count"])
+        sparse = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in self._gguf_tensors]
+        for key, hf_key, tensor in (
+            ("expert_feed_forward_length", "moe_intermediate_size", "ffn_gate_exps.weight"),  # [E, width, H]
+            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size", "ffn_gate_shexp.weight"),
+        ):
+            stored = self._gguf_tensors.get(f"blk.{sparse[0]}.{tensor}") if sparse else None
+            if f"{a}.{key}" in md:
+                out[hf_key] = int(md[f"{a}.{key}"])
+            elif stored is not None:
+                out[hf_key] = self._stored_shape(stored)[-2]
+        if len(sparse) < n:
+            out["mlp_only_layers"] = [i for i in range(n) if i not in sparse]
         return out
 
     def _rope_scaling(self) -> dict[str, Any]:
@@ -254,22 +332,35 @@ class GGUFCheckpoint:
     def names(self) -> set[str]:
         return set(self._tensors) | set(self._unknown)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        t = self._tensors[name]
+    @staticmethod
+    def _stored_shape(t: Any) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(t.shape.tolist()))  # GGML lists dims innermost first
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shapes = [self._stored_shape(t) for t in self._tensors[name]]
+        if len(shapes) > 1:  # gate and up expert stacks, [experts, width, hidden] each
+            if len({(s[0], *s[2:]) for s in shapes}) > 1 or len(shapes[0]) < 2:
+                raise ValueError(f"{self.path}: {name} has parts of shapes {shapes}, which do not concatenate")
+            return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
+        if name.endswith(".shared_expert_gate.weight") and len(shapes[0]) == 1:
+            return (1, *shapes[0])
+        return shapes[0]
 
     def read(self, name: str) -> np.ndarray:
         """The tensor as transformers' GGUF loader produces it: dequantized to float32, Q/K rows
-        un-permuted for llama, Gemma norms with llama.cpp's +1 taken off (`Gemma2TensorProcessor`)."""
-        spec, t = self._spec(), self._tensors[name]
-        w = quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        un-permuted for llama, Gemma norms with llama.cpp's +1 taken off (`Gemma2TensorProcessor`),
+        gate and up experts concatenated (`Qwen2MoeTensorProcessor`)."""
+        spec, parts = self._spec(), self._tensors[name]
+        shape = self.shape(name)
+        arrays = [quants.dequantize(t.data, t.tensor_type).reshape(self._stored_shape(t)) for t in parts]
+        w = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)).reshape(shape)
         if spec.permuted_qk and ".self_attn.q_proj." in name:
             w = _unpermute(w, int(self.metadata[f"{self.arch}.attention.head_count"]))
         elif spec.permuted_qk and ".self_attn.k_proj." in name:
             heads = self.metadata.get(f"{self.arch}.attention.head_count_kv",
                                       self.metadata[f"{self.arch}.attention.head_count"])
             w = _unpermute(w, int(heads))
-        if spec.norm_plus_one and t.name.endswith("norm.weight"):
+        if spec.norm_plus_one and name.endswith("norm.weight"):
             w = w - 1
         return w
 
