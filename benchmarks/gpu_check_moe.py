@@ -1,9 +1,10 @@
 """Part (d) of gpu_check: the MoE layer on the GPU at Mixtral-8x7B shapes (hidden 4096, 8 experts of
 width 14336, top-2, bfloat16, one layer): correctness of paxserve's tiled expert products against
-the all-experts product, then times for the tiled layer, the same layer on `jax.lax.ragged_dot`, and
-a dense MLP of width 2 x 14336 (the active size), at 1, 64 and 2048 tokens, with the weight bytes
-each reads next to the copy bandwidth. This is what decides whether XLA's ragged_dot could replace
-the tiled scan on a GPU (models/moe.py explains why it does not on CPU)."""
+the all-experts product, then times for the tiled layer (skipping empty tiles with `lax.cond`, and
+computing them instead), the same layer on `jax.lax.ragged_dot`, and a dense MLP of width 2 x 14336
+(the active size), at 1, 64 and 2048 tokens, with the weight bytes the touched experts hold next to
+the copy bandwidth. This decides, on a GPU, between the cond and no cond and whether XLA's ragged_dot
+could replace the tiled scan (models/moe.py explains why it does not on CPU)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def part_d(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None)
     row("d", f"MoE tiled experts vs all-experts product ({num_experts}x{top_k}, {jnp.dtype(dtype).name})",
         "PASS" if err < tol else "FAIL", f"max rel err {err:.1e} (tol {tol:.0e})")
 
-    moe = jax.jit(lambda x, p: moe_mlp(x, p, layer, top_k=top_k, renormalize=True, weights_in_dtype=False,
-                                       act="silu"))
+    moe, moe_no_skip = (jax.jit(lambda x, p, skip=skip: moe_mlp(
+        x, p, layer, top_k=top_k, renormalize=True, weights_in_dtype=False, act="silu", skip_empty_tiles=skip))
+        for skip in (True, False))
     ragged = jax.jit(lambda x, p: _ragged_dot_layer(x, p, top_k))
     dense_up = p.experts_up_w[0, :top_k].transpose(1, 0, 2).reshape(hidden, -1)  # same bytes as k experts
     dense_down = p.experts_down_w[0, :top_k].reshape(-1, hidden)
@@ -69,7 +71,8 @@ def part_d(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None)
         x = jax.random.normal(jax.random.fold_in(k4, tokens), (tokens, hidden)).astype(dtype)
         touched = len(np.unique(np.asarray(route(x, p.router_w[0], top_k, True)[1])))
         times: dict[str, Any] = {}
-        for name, fn in (("tiled", lambda: moe(x, p)), ("ragged_dot", lambda: ragged(x, p)),
+        for name, fn in (("tiled", lambda: moe(x, p)), ("tiled without cond", lambda: moe_no_skip(x, p)),
+                         ("ragged_dot", lambda: ragged(x, p)),
                          ("dense 2xI", lambda: dense(x, dense_up, dense_down))):
             try:
                 times[name] = timed(fn, min_time=0.05 if smoke else 0.2, reps=2 if smoke else 5)

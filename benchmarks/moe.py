@@ -1,6 +1,6 @@
 """The MoE layer's time against a dense MLP of the same active size, and against `lax.ragged_dot`.
 
-    python benchmarks/moe.py [--runs 7] [--hidden 512] [--width 768] [--tokens 8 256 2048]
+    python benchmarks/moe.py [--runs 7] [--passes 3] [--hidden 512] [--width 768] [--tokens 8 256 2048]
 
 For each token count (8: a decode step; 256 and 2048: prefill chunks), number of experts E and top-k:
 - `moe`: paxserve's layer (models/moe.py: route, sort by expert, tiled per-expert matmuls);
@@ -11,7 +11,9 @@ The claim to see: where the products are compute-bound (many rows per expert), `
 like the dense column and not with E. Where they are bound by reading weights (decode), any MoE
 reads each expert a token picked once, so its cost follows the experts touched, at most
 min(E, tokens * k), never all E; the column `touched` counts them. Float32, random weights, routing
-from a random router. Medians of --runs calls after a compile-and-warm-up call.
+from a random router. Each cell: the median over --passes interleaved passes (every configuration
+once per pass, so a slow spell of a shared machine hits all of them alike) of the median of --runs
+calls after a compile-and-warm-up call.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def measure(tokens: int, num_experts: int, top_k: int, hidden: int, width: int, 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--width", type=int, default=768, help="each expert's intermediate size I")
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 256, 2048])
@@ -87,18 +90,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ragged-max-rows", type=int, default=8192,
                     help="time lax.ragged_dot only where tokens * experts <= this (it may compute every expert)")
     args = ap.parse_args(argv)
+    configs = [(t, e, k) for t in args.tokens for e in args.experts for k in args.top_k]
+    results: dict[tuple[int, int, int], list[dict[str, float]]] = {c: [] for c in configs}
+    for n in range(args.passes):
+        for t, e, k in configs:
+            results[(t, e, k)].append(measure(t, e, k, args.hidden, args.width, args.runs,
+                                              t * e <= args.ragged_max_rows))
+        print(f"pass {n + 1}/{args.passes} done", file=sys.stderr, flush=True)
     print(f"# {platform.node()} {jax.devices()[0].platform} ({jax.device_count()} device(s)), JAX {jax.__version__}, "
-          f"hidden {args.hidden}, expert width {args.width}, float32, median of {args.runs}")
+          f"hidden {args.hidden}, expert width {args.width}, float32, median of {args.passes} passes x {args.runs} runs")
     print("| tokens | experts | top-k | touched | moe ms | dense k*I ms | moe / dense | ragged_dot ms |")
     print("|---|---|---|---|---|---|---|---|")
-    for tokens in args.tokens:
-        for e in args.experts:
-            for k in args.top_k:
-                r = measure(tokens, e, k, args.hidden, args.width, args.runs, tokens * e <= args.ragged_max_rows)
-                ragged = f"{r['ragged_dot']:.2f}" if "ragged_dot" in r else "-"
-                print(f"| {tokens} | {e} | {k} | {r['touched']} | {r['moe']:.2f} | {r['dense']:.2f} | "
-                      f"{r['moe'] / r['dense']:.2f} "
-                      f"| {ragged} |", flush=True)
+    for (t, e, k), passes in results.items():
+        med = {key: statistics.median(p[key] for p in passes) for key in passes[0]}
+        ragged = f"{med['ragged_dot']:.2f}" if "ragged_dot" in med else "-"
+        print(f"| {t} | {e} | {k} | {passes[0]['touched']} | {med['moe']:.2f} | {med['dense']:.2f} | "
+              f"{med['moe'] / med['dense']:.2f} | {ragged} |")
 
 
 if __name__ == "__main__":

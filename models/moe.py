@@ -2,8 +2,8 @@
 
 Each token's top-k (token, expert) pairs are sorted by expert, so every expert's rows are one
 contiguous run of a [tokens * k, hidden] array. The runs are cut into row tiles of a fixed size,
-each tile belonging to one expert, and a `lax.scan` over a static number of tiles multiplies each
-tile by its expert's matrix alone; tiles past the routed rows are skipped by `lax.cond`. Group sizes
+each tile belonging to one expert, and a `lax.scan` over a static number of tiles runs each tile
+through its expert's matrices alone; tiles past the routed rows are skipped by `lax.cond`. Group sizes
 are runtime data, so the program never recompiles as routing changes, and no capacity factor drops
 tokens.
 
@@ -100,31 +100,49 @@ def plan_tiles(group_sizes: Int[Array, " E"], num_rows: int, tile_rows: int) -> 
                     num_rows=num_rows_in.astype(jnp.int32), tile_rows=tile_rows)
 
 
-def grouped_matmul(
-    lhs: Float[Array, "M K"], rhs: Float[Array, "*L E K N"], plan: TilePlan, layer: Int[Array, ""] | None = None
-) -> Float[Array, "M N"]:
-    """Rows of `lhs` (sorted by group, as `plan` describes) times their group's matrix of `rhs`,
-    float32 accumulation. `rhs` may carry a leading layer axis, picked by `layer`: only the one
-    expert matrix a tile needs is sliced out, never a layer's whole expert stack."""
-    m, (num_rows, k), n = plan.tile_rows, lhs.shape, rhs.shape[-1]
-    padded = jnp.concatenate([lhs, jnp.zeros((m, k), lhs.dtype)])  # a tile's slice never runs off the end
+def _slice_expert(w: Array, layer: Array | None, expert: Array) -> Array:
+    """One expert's [in, out] matrix out of a [(layers,) experts, in, out] stack: only that matrix
+    is sliced, never a layer's whole expert stack."""
     lead = () if layer is None else (layer,)
+    shape = w.shape[-2:]
+    return jax.lax.dynamic_slice(w, (*lead, expert, 0, 0), (*(1 for _ in lead), 1, *shape)).reshape(shape)
+
+
+def grouped_expert_mlp(
+    rows: Float[Array, "M H"],
+    up_w: Float[Array, "*L E H I2"],
+    down_w: Float[Array, "*L E I H"],
+    plan: TilePlan,
+    *,
+    act: str,
+    layer: Int[Array, ""] | None = None,
+    skip_empty_tiles: bool = True,
+) -> Float[Array, "M H"]:
+    """Each row of `rows` (sorted by expert, as `plan` describes) through its expert's gated MLP,
+    float32 accumulation: one tile at a time, up and down projection together, so the [rows,
+    2 x width] intermediate never exists beyond one tile. `skip_empty_tiles` skips the tiles past
+    the routed rows with `lax.cond` (free on CPU; on a GPU a conditional may wait on the host, which
+    benchmarks/gpu_check.sh part (d) measures against computing them)."""
+    m, (num_rows, hidden) = plan.tile_rows, rows.shape
+    padded = jnp.concatenate([rows, jnp.zeros((m, hidden), rows.dtype)])  # a tile's slice never runs off the end
+    dot = lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST,  # noqa: E731
+                               preferred_element_type=jnp.float32).astype(rows.dtype)
 
     def tile(out: Array, t: tuple[Array, Array, Array]) -> tuple[Array, None]:
         expert, start, count = t
         keep = jax.lax.dynamic_slice_in_dim(out, start, m)  # rows past the group belong to the next one
 
         def run() -> Array:
-            rows = jax.lax.dynamic_slice_in_dim(padded, start, m)
-            w = jax.lax.dynamic_slice(rhs, (*lead, expert, 0, 0), (*(1 for _ in lead), 1, k, n)).reshape(k, n)
-            y = jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-            return jnp.where(jnp.arange(m)[:, None] < count, y.astype(out.dtype), keep)
+            h = dot(jax.lax.dynamic_slice_in_dim(padded, start, m), _slice_expert(up_w, layer, expert))
+            gate, up = jnp.split(h, 2, axis=-1)
+            y = dot(activation(act, gate) * up, _slice_expert(down_w, layer, expert))
+            return jnp.where(jnp.arange(m)[:, None] < count, y, keep)
 
-        # Only the tile passes through the cond: the whole output as its operand would be copied.
-        y = jax.lax.cond(count > 0, run, lambda: keep)
+        # Only the tile passes through the cond: the whole output as its operand could be copied.
+        y = jax.lax.cond(count > 0, run, lambda: keep) if skip_empty_tiles else run()
         return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0), None
 
-    out = jnp.zeros((num_rows + m, n), lhs.dtype)
+    out = jnp.zeros((num_rows + m, hidden), rows.dtype)
     out, _ = jax.lax.scan(tile, out, (plan.expert, plan.row_start, plan.num_rows))
     return out[:num_rows]
 
@@ -138,6 +156,7 @@ def experts_forward(
     *,
     act: str,
     layer: Int[Array, ""] | None = None,
+    skip_empty_tiles: bool = True,
 ) -> Float[Array, "T H"]:
     """Sum over each token's k experts of weight * expert(x), running only those experts."""
     num_tokens, top_k = experts.shape
@@ -146,9 +165,8 @@ def experts_forward(
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     plan = plan_tiles(sizes, flat.shape[0], tile_rows_for(flat.shape[0], num_experts))
-    h = grouped_matmul(x[order // top_k], up_w, plan, layer)
-    gate, up = jnp.split(h, 2, axis=-1)
-    y = grouped_matmul(activation(act, gate) * up, down_w, plan, layer)
+    y = grouped_expert_mlp(x[order // top_k], up_w, down_w, plan, act=act, layer=layer,
+                           skip_empty_tiles=skip_empty_tiles)
     unsorted = jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, top_k, -1)
     out = jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), unsorted.astype(jnp.float32))
     return out.astype(x.dtype)
@@ -163,6 +181,7 @@ def moe_mlp(
     renormalize: bool,
     weights_in_dtype: bool,
     act: str,
+    skip_empty_tiles: bool = True,
 ) -> Float[Array, "T H"]:
     """One MoE layer (`layer` indexes the stacked `p`): routed experts, plus Qwen2-MoE's shared
     expert scaled by sigmoid(x @ shared_gate) when the model has one."""
@@ -170,7 +189,8 @@ def moe_mlp(
     weights, experts = route(x, take(p.router_w), top_k, renormalize)
     if weights_in_dtype:  # Qwen rounds the weights to the model dtype; Mixtral keeps float32
         weights = weights.astype(x.dtype)
-    out = experts_forward(x, weights, experts, p.experts_up_w, p.experts_down_w, act=act, layer=layer)
+    out = experts_forward(x, weights, experts, p.experts_up_w, p.experts_down_w, act=act, layer=layer,
+                          skip_empty_tiles=skip_empty_tiles)
     if p.shared_up_w is not None:
         shared = mlp(x, take(p.shared_up_w), None, take(p.shared_down_w), None, act=act, gated=True)
         out = out + jax.nn.sigmoid(dense(x, take(p.shared_gate_w))) * shared

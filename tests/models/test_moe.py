@@ -52,6 +52,18 @@ def test_routed_experts_equal_the_dense_computation(tokens, num_experts, top_k, 
     np.testing.assert_allclose(got, _dense_reference(x, weights, ids, up, down), rtol=2e-5, atol=2e-5)
 
 
+def test_computing_the_empty_tiles_changes_nothing() -> None:
+    """The no-cond variant gpu_check times on a GPU: empty tiles run but write nothing back."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(9, 16)), jnp.float32)
+    weights, ids = route(x, jnp.asarray(rng.normal(size=(16, 7)), jnp.float32), 2, False)  # expert 7 unrouted
+    up, down = _weights(rng, 8)
+    both = [jax.jit(experts_forward, static_argnames=("act", "skip_empty_tiles"))(
+        x, weights, ids, up.at[7].set(jnp.nan), down, act="silu", skip_empty_tiles=skip) for skip in (True, False)]
+    assert np.isfinite(np.asarray(both[1])).all()
+    np.testing.assert_array_equal(both[0], both[1])
+
+
 def test_tile_plan_covers_every_routed_row_once() -> None:
     sizes = jnp.asarray([0, 5, 1, 0, 17, 3], jnp.int32)
     rows = int(sizes.sum())
@@ -191,3 +203,22 @@ def test_memory_plan_counts_every_expert_and_the_log_says_what_is_active(mixtral
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("MoE:"))
     assert line.startswith("MoE: 4 experts on 2 of 2 layers, 2 routed per token")
     assert f"{total / 1e6:.2f}M params in all" in line and f"{active / 1e6:.2f}M active per token" in line
+
+
+def test_qwen_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
+    """Qwen's rule: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers; a config with no sparse layer is a dense model."""
+    from models.config import model_config_from_hf
+
+    hf = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=32, hidden_size=16, intermediate_size=24,
+              num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=8, shared_expert_intermediate_size=12, decoder_sparse_step=2, mlp_only_layers=[3])
+    cfg = model_config_from_hf(hf)
+    assert cfg.moe_layers == (1, 5) and cfg.dense_mlp_layers == (0, 2, 3, 4)
+    assert cfg.shared_expert_size == 12 and not cfg.moe_renormalize and cfg.attention_bias
+    dense = model_config_from_hf({**hf, "architectures": ["Qwen3MoeForCausalLM"], "mlp_only_layers": [1, 3, 5]})
+    assert dense.num_experts == 0 and dense.qk_norm
+    mixtral = model_config_from_hf(dict(architectures=["MixtralForCausalLM"], vocab_size=32, hidden_size=16,
+                                        intermediate_size=24, num_hidden_layers=2, num_attention_heads=2))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 24)
+    assert mixtral.rope_theta == 1e6 and mixtral.moe_renormalize and not mixtral.layer_windows
