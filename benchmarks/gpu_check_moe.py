@@ -14,22 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.moe import ragged_dot_moe
 from models.layers import mlp
 from models.moe import MoEParams, experts_forward, moe_mlp, route
 
 Row = Callable[..., None]
-
-
-def _ragged_dot_layer(x: jax.Array, p: MoEParams, top_k: int) -> jax.Array:
-    weights, experts = route(x, p.router_w[0], top_k, True)
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=p.router_w.shape[-1]).astype(jnp.int32)
-    h = jax.lax.ragged_dot(x[order // top_k], p.experts_up_w[0], sizes, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(h.astype(x.dtype), 2, axis=-1)
-    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p.experts_down_w[0], sizes, preferred_element_type=jnp.float32)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], top_k, -1)
-    return jnp.einsum("tk,tkh->th", weights, y).astype(x.dtype)
 
 
 def part_d(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None) -> None:
@@ -62,7 +51,7 @@ def part_d(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None)
     moe, moe_no_skip = (jax.jit(lambda x, p, skip=skip: moe_mlp(
         x, p, layer, top_k=top_k, renormalize=True, weights_in_dtype=False, act="silu", skip_empty_tiles=skip))
         for skip in (True, False))
-    ragged = jax.jit(lambda x, p: _ragged_dot_layer(x, p, top_k))
+    ragged = jax.jit(lambda x, p: ragged_dot_moe(x, p, top_k))
     dense_up = p.experts_up_w[0, :top_k].transpose(1, 0, 2).reshape(hidden, -1)  # same bytes as k experts
     dense_down = p.experts_down_w[0, :top_k].reshape(-1, hidden)
     dense = jax.jit(lambda x, u, d: mlp(x, u, None, d, None, act="silu", gated=True))

@@ -36,17 +36,17 @@ from models.layers import mlp  # noqa: E402
 from models.moe import MoEParams, moe_mlp, route  # noqa: E402
 
 
-def _ragged_dot_moe(x: jax.Array, p: MoEParams, top_k: int) -> jax.Array:
-    """The same layer with `lax.ragged_dot` doing the grouped products."""
+def ragged_dot_moe(x: jax.Array, p: MoEParams, top_k: int) -> jax.Array:
+    """The same layer (first layer of `p`) with `lax.ragged_dot` doing the grouped products."""
     weights, experts = route(x, p.router_w[0], top_k, True)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=p.router_w.shape[-1]).astype(jnp.int32)
     h = jax.lax.ragged_dot(x[order // top_k], p.experts_up_w[0], sizes, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(h, 2, axis=-1)
+    gate, up = jnp.split(h.astype(x.dtype), 2, axis=-1)
     y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p.experts_down_w[0], sizes, preferred_element_type=jnp.float32)
     y = jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], top_k, -1)
-    return jnp.einsum("tk,tkh->th", weights, y)
+    return jnp.einsum("tk,tkh->th", weights, y).astype(x.dtype)
 
 
 def _median_ms(fn: Callable[..., Any], args: tuple, runs: int) -> float:
@@ -74,7 +74,7 @@ def measure(tokens: int, num_experts: int, top_k: int, hidden: int, width: int, 
     out = {"moe": _median_ms(moe, (x, p), runs), "dense": _median_ms(dense, (x, dense_up, dense_down), runs)}
     out["touched"] = len(np.unique(np.asarray(route(x, p.router_w[0], top_k, True)[1])))
     if ragged:
-        out["ragged_dot"] = _median_ms(jax.jit(lambda x, p: _ragged_dot_moe(x, p, top_k)), (x, p), runs)
+        out["ragged_dot"] = _median_ms(jax.jit(lambda x, p: ragged_dot_moe(x, p, top_k)), (x, p), runs)
     return out
 
 
