@@ -52,3 +52,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
 def pytest_configure(config: pytest.Config) -> None:
     # Tests must not leave multi-GB caches in the home directory of whoever runs them.
     os.environ.setdefault("XDG_CACHE_HOME", str(Path(config.rootpath) / ".pytest_cache" / "xdg"))
+    # One persistent compilation cache for the whole run: every module drops its compiled programs
+    # (release_compiled_programs) and later modules running the same model and buckets load them
+    # back instead of compiling again. Engines built with compilation_cache_dir="" use it too.
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(Path(os.environ["XDG_CACHE_HOME"]) / "paxserve" / "xla-tests"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
