@@ -7,10 +7,10 @@ through its expert's matrices alone; tiles past the routed rows are skipped by `
 are runtime data, so the program never recompiles as routing changes, and no capacity factor drops
 tokens.
 
-Why not `jax.lax.ragged_dot`: on CPU (JAX 0.10/0.11) it lowers to a masked dense product over every
-group, and XLA's CUDA lowering materialises the same dense form unless a cuDNN fusion applies. That
-is all-experts compute (and an expert holding NaN poisons every token through 0 * NaN);
-benchmarks/moe.py measures both side by side.
+Why not `jax.lax.ragged_dot`: on CPU (JAX 0.10.2) it lowers to a masked dense product over every
+group, and XLA's CUDA lowering is reported to materialise the same dense form unless a cuDNN fusion
+applies. That is all-experts compute (and an expert holding NaN poisons every token through
+0 * NaN); benchmarks/moe.py measures both side by side, gpu_check part (d) on a GPU.
 """
 
 from __future__ import annotations
