@@ -222,3 +222,22 @@ def test_qwen_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> 
                                         intermediate_size=24, num_hidden_layers=2, num_attention_heads=2))
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 24)
     assert mixtral.rope_theta == 1e6 and mixtral.moe_renormalize and not mixtral.layer_windows
+
+
+def test_windows_follow_transformers_config_classes() -> None:
+    """With `use_sliding_window`, Qwen2-MoE windows the layers Qwen2MoeConfig marks (read from
+    `layer_types`, or its own default pattern when a config omits them); Qwen3-MoE windows every layer."""
+    import transformers
+
+    from models.config import model_config_from_hf
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=6, num_attention_heads=2,
+                 num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                 use_sliding_window=True, sliding_window=8, max_window_layers=4)
+    hf = transformers.Qwen2MoeConfig(**small, shared_expert_intermediate_size=12).to_dict()
+    expected = tuple(8 if t == "sliding_attention" else 0 for t in hf["layer_types"])
+    assert any(expected) and 0 in expected
+    for config in (hf, {k: v for k, v in hf.items() if k != "layer_types"}):
+        assert model_config_from_hf({**config, "architectures": ["Qwen2MoeForCausalLM"]}).layer_windows == expected
+    qwen3 = transformers.Qwen3MoeConfig(**small).to_dict()
+    assert model_config_from_hf({**qwen3, "architectures": ["Qwen3MoeForCausalLM"]}).layer_windows == (8,) * 6
