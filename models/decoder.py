@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from models.config import ModelConfig
 from models.layers import dense, mlp, norm
-from models.moe import MLPParams, MoEParams, moe_mlp
+from models.moe import MLPParams, MoEParams, moe_mlp, take_layer
 from models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 from pallas_kernels.metadata import NO_WINDOW
@@ -150,8 +150,7 @@ def forward(
             return sparse(h)
 
         def dense_layer(h: Array) -> Array:
-            d = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, xs["mlp_slot"], 0, keepdims=False),
-                             params.dense_mlp)
+            d = take_layer(params.dense_mlp, xs["mlp_slot"])
             return mlp(h, d.up_w, d.up_b, d.down_w, d.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp)
 
         return jax.lax.cond(xs["is_moe"], sparse, dense_layer, h)  # only the layer's own kind runs

@@ -92,6 +92,16 @@ def _build(leaf: Leaf, read: Callable[[str], np.ndarray], i: int | None) -> np.n
     return np.swapaxes(t, -1, -2) if leaf.linear else t
 
 
+def _assemble(layout: Layout, num_layers: int, per_layer: Callable[[Leaf, tuple[int, ...]], object],
+              top: Callable[[Leaf], object]) -> DecoderParams:
+    """DecoderParams with each per-layer field made by `per_layer(leaf, the layers it covers)` and
+    each top field by `top(leaf)`: the one shape of the pytree, for real and for abstract params."""
+    layers = LayerParams(**{name: per_layer(leaf, tuple(range(num_layers))) for name, leaf in layout.layer.items()})
+    stacks = {field_name: s.params_cls(**{name: per_layer(leaf, s.layers) for name, leaf in s.leaves.items()})
+              for field_name, s in layout.stacks.items()}
+    return DecoderParams(layers=layers, **{name: top(leaf) for name, leaf in layout.top.items()}, **stacks)
+
+
 def params_from_layout(
     layout: Layout, read: Callable[[str], np.ndarray], num_layers: int, dtype: np.dtype
 ) -> DecoderParams:
@@ -104,17 +114,10 @@ def params_from_layout(
             out[row] = _build(leaf, read, i)
         return jnp.asarray(out)
 
-    everything = tuple(range(num_layers))
-    layers = LayerParams(**{name: stacked(leaf, everything) for name, leaf in layout.layer.items()})
-    top = {name: jnp.asarray(np.asarray(_build(leaf, read, None), dtype)) for name, leaf in layout.top.items()}
-    stacks = {field_name: s.params_cls(**{name: stacked(leaf, s.layers) for name, leaf in s.leaves.items()})
-              for field_name, s in layout.stacks.items()}
-    return DecoderParams(layers=layers, **top, **stacks)
+    return _assemble(layout, num_layers, stacked, lambda leaf: jnp.asarray(np.asarray(_build(leaf, read, None), dtype)))
 
 
 def abstract_from_layout(layout: Layout, num_layers: int, dtype: np.dtype) -> DecoderParams:
     s = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    layers = LayerParams(**{name: s((num_layers, *leaf.shape())) for name, leaf in layout.layer.items()})
-    stacks = {field_name: st.params_cls(**{name: s((len(st.layers), *leaf.shape())) for name, leaf in st.leaves.items()})
-              for field_name, st in layout.stacks.items()}
-    return DecoderParams(layers=layers, **{name: s(leaf.shape()) for name, leaf in layout.top.items()}, **stacks)
+    return _assemble(layout, num_layers, lambda leaf, layers: s((len(layers), *leaf.shape())),
+                     lambda leaf: s(leaf.shape()))

@@ -15,6 +15,8 @@ applies. That is all-experts compute (and an expert holding NaN poisons every to
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -100,6 +102,11 @@ def plan_tiles(group_sizes: Int[Array, " E"], num_rows: int, tile_rows: int) -> 
                     num_rows=num_rows_in.astype(jnp.int32), tile_rows=tile_rows)
 
 
+def take_layer(tree: Any, layer: Int[Array, ""]) -> Any:
+    """Every array of `tree` at index `layer` of its leading (stacked-layers) axis."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), tree)
+
+
 def _slice_expert(w: Array, layer: Array | None, expert: Array) -> Array:
     """One expert's [in, out] matrix out of a [(layers,) experts, in, out] stack: only that matrix
     is sliced, never a layer's whole expert stack."""
@@ -125,17 +132,14 @@ def grouped_expert_mlp(
     benchmarks/gpu_check.sh part (d) measures against computing them)."""
     m, (num_rows, hidden) = plan.tile_rows, rows.shape
     padded = jnp.concatenate([rows, jnp.zeros((m, hidden), rows.dtype)])  # a tile's slice never runs off the end
-    dot = lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST,  # noqa: E731
-                               preferred_element_type=jnp.float32).astype(rows.dtype)
 
     def tile(out: Array, t: tuple[Array, Array, Array]) -> tuple[Array, None]:
         expert, start, count = t
         keep = jax.lax.dynamic_slice_in_dim(out, start, m)  # rows past the group belong to the next one
 
         def run() -> Array:
-            h = dot(jax.lax.dynamic_slice_in_dim(padded, start, m), _slice_expert(up_w, layer, expert))
-            gate, up = jnp.split(h, 2, axis=-1)
-            y = dot(activation(act, gate) * up, _slice_expert(down_w, layer, expert))
+            y = mlp(jax.lax.dynamic_slice_in_dim(padded, start, m), _slice_expert(up_w, layer, expert), None,
+                    _slice_expert(down_w, layer, expert), None, act=act, gated=True)
             return jnp.where(jnp.arange(m)[:, None] < count, y, keep)
 
         # Only the tile passes through the cond: the whole output as its operand could be copied.
@@ -172,6 +176,18 @@ def experts_forward(
     return out.astype(x.dtype)
 
 
+def experts_forward_reference(
+    x: Float[Array, "T H"], weights: Float[Array, "T K"], experts: Int[Array, "T K"],
+    up_w: Float[Array, "E H I2"], down_w: Float[Array, "E I H"], *, act: str,
+) -> Float[Array, "T H"]:
+    """Every expert on every token in float32, then each token's k picked: what `experts_forward`
+    must equal (and the dense all-experts compute it exists to avoid)."""
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    gate, up = jnp.split(jnp.einsum("th,ehi->tei", f32(x), f32(up_w), precision="highest"), 2, axis=-1)
+    y = jnp.einsum("tei,eih->teh", activation(act, gate) * up, f32(down_w), precision="highest")
+    return jnp.einsum("tk,tkh->th", f32(weights), jnp.take_along_axis(y, experts[:, :, None], axis=1))
+
+
 def moe_mlp(
     x: Float[Array, "T H"],
     p: MoEParams,
@@ -185,13 +201,12 @@ def moe_mlp(
 ) -> Float[Array, "T H"]:
     """One MoE layer (`layer` indexes the stacked `p`): routed experts, plus Qwen2-MoE's shared
     expert scaled by sigmoid(x @ shared_gate) when the model has one."""
-    take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
-    weights, experts = route(x, take(p.router_w), top_k, renormalize)
+    weights, experts = route(x, take_layer(p.router_w, layer), top_k, renormalize)
     if weights_in_dtype:  # Qwen rounds the weights to the model dtype; Mixtral keeps float32
         weights = weights.astype(x.dtype)
     out = experts_forward(x, weights, experts, p.experts_up_w, p.experts_down_w, act=act, layer=layer,
                           skip_empty_tiles=skip_empty_tiles)
     if p.shared_up_w is not None:
-        shared = mlp(x, take(p.shared_up_w), None, take(p.shared_down_w), None, act=act, gated=True)
-        out = out + jax.nn.sigmoid(dense(x, take(p.shared_gate_w))) * shared
+        up, down, gate = take_layer((p.shared_up_w, p.shared_down_w, p.shared_gate_w), layer)
+        out = out + jax.nn.sigmoid(dense(x, gate)) * mlp(x, up, None, down, None, act=act, gated=True)
     return out

@@ -19,6 +19,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.families.common import FULL, SLIDING, base_fields, llama_layout, windows_from_layer_types
+from models.families.qwen import qwen_window
 from models.layout import LAYER_INDEX, Layout, Stack, linear
 from models.moe import MLPParams, MoEParams
 
@@ -65,7 +66,7 @@ def qwen2_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     `use_sliding_window`) on the layer pattern Qwen2MoeConfig builds."""
     fields = base_fields(hf, max_position_embeddings=32768, intermediate_size=5632)
     n = fields["num_layers"]
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    window = qwen_window(hf)
     start = int(hf.get("max_window_layers", 28))
     default = [SLIDING if window and (i + 1) % 2 and i < start else FULL for i in range(n)]
     experts = _qwen_experts(hf, n, 60, 4, 1408)
@@ -80,7 +81,7 @@ def qwen3_moe_config(hf: Mapping[str, Any]) -> ModelConfig:
     every layer has the window, as Qwen3MoeAttention applies it."""
     fields = base_fields(hf, max_position_embeddings=32768, intermediate_size=6144)
     n = fields["num_layers"]
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    window = qwen_window(hf)
     bias = bool(hf.get("attention_bias", False))
     return ModelConfig(**fields, attention_bias=bias, o_bias=bias, qk_norm=True,
                        layer_windows=(int(window),) * n if window else (), **_qwen_experts(hf, n, 128, 8, 768))

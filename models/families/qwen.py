@@ -8,10 +8,15 @@ from models.config import ModelConfig
 from models.families.common import FULL, SLIDING, base_fields, windows_from_layer_types
 
 
+def qwen_window(hf: Mapping[str, Any]) -> int | None:
+    """Every Qwen config (dense and MoE) has a window only with `use_sliding_window`."""
+    return hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+
+
 def _windows(hf: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
     """Qwen's windows exist only with `use_sliding_window`, on layers from `max_window_layers` on
     (unless `layer_types` says otherwise), as transformers' Qwen configs build them."""
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    window = qwen_window(hf)
     start = int(hf.get("max_window_layers", 28))
     default = [SLIDING if window and i >= start else FULL for i in range(num_layers)]
     return windows_from_layer_types(hf, num_layers, window, default)

@@ -14,21 +14,13 @@ import pytest
 
 from models import load_model
 from models.config import ModelConfig
-from models.moe import experts_forward, plan_tiles, route, tile_rows_for
+from models.moe import experts_forward, experts_forward_reference, plan_tiles, route, tile_rows_for
 from paxserve.batch import SeqChunk, build_batch
 from paxserve.model_runner import ModelRunner
 from tests.models.family_checkpoints import FAMILIES, VOCAB, make_family_checkpoint
 from tests.paged_greedy import greedy_tokens_and_logits
 
 _experts = jax.jit(experts_forward, static_argnames=("act",))
-
-
-def _dense_reference(x, weights, ids, up, down):
-    """Every expert on every token, then each token's k picked: what the sparse path must equal."""
-    h = jnp.einsum("th,ehi->tei", x, up, precision="highest")
-    gate, u = jnp.split(h, 2, axis=-1)
-    y = jnp.einsum("tei,eih->teh", jax.nn.silu(gate) * u, down, precision="highest")
-    return jnp.einsum("tk,tkh->th", weights, jnp.take_along_axis(y, ids[:, :, None], axis=1))
 
 
 def _weights(rng, num_experts, hidden=16, width=8):
@@ -49,7 +41,8 @@ def test_routed_experts_equal_the_dense_computation(tokens, num_experts, top_k, 
         ids = ids.at[:, 0].set(3).at[:-2, 1].set(5)
     up, down = _weights(rng, num_experts)
     got = _experts(x, weights, ids, up, down, act="silu")
-    np.testing.assert_allclose(got, _dense_reference(x, weights, ids, up, down), rtol=2e-5, atol=2e-5)
+    ref = experts_forward_reference(x, weights, ids, up, down, act="silu")
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_computing_the_empty_tiles_changes_nothing() -> None:
