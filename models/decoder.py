@@ -12,6 +12,7 @@ themselves, so a layer step slices out only the experts its tokens were routed t
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,9 @@ from models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 from pallas_kernels.metadata import NO_WINDOW
 from pallas_kernels.alibi import alibi_slopes
+
+if TYPE_CHECKING:
+    from models.sharding import TensorParallel
 
 
 @struct.dataclass
@@ -92,19 +96,27 @@ def forward(
     metadata: AttentionMetadata,
     cfg: ModelConfig,
     attention_backend: AttentionBackend = REFERENCE,
+    tp: TensorParallel | None = None,
 ) -> tuple[Float[Array, "S V"], KVCache]:
     """Run a flattened ragged batch of new tokens; return float32 logits at
     `metadata.logits_indices` and the updated cache. `attention_backend` (static) picks the
-    attention implementation: the XLA reference by default, or the Pallas kernel."""
+    attention implementation: the XLA reference by default, or the Pallas kernel.
+
+    With `tp`, this runs on one device inside `shard_map` (models/sharding.py): `cfg` and `params`
+    are that device's share, the row-parallel products are summed over `tp.axis`, and the
+    logits are gathered to the whole vocabulary."""
     num_tokens = input_ids.shape[0]
     eps = cfg.rms_norm_eps
-    x = params.embed[input_ids]
+    reduce = None if tp is None else (lambda y: jax.lax.psum(y, tp.axis))
+    x = _embed(params.embed, input_ids, tp)
     if cfg.embed_scale:
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     if cfg.alibi:
-        rope, slopes = None, jnp.asarray(alibi_slopes(cfg.num_heads))
+        rope, slopes = None, jnp.asarray(alibi_slopes(cfg.num_heads if tp is None else tp.cfg.num_heads))
+        if tp is not None:  # this device's heads' slopes
+            slopes = jax.lax.dynamic_slice_in_dim(slopes, jax.lax.axis_index(tp.axis) * cfg.num_heads, cfg.num_heads)
     else:
         slopes = None
         rope = rope_cos_sin(positions, *rope_frequencies(cfg), x.dtype)
@@ -135,23 +147,25 @@ def forward(
             q, k_cache, v_cache, xs["index"], metadata, sm_scale=cfg.softmax_scale, backend=attention_backend,
             sliding_window=xs.get("window"), soft_cap=cfg.attn_soft_cap, alibi_slopes=slopes,
         )
-        return dense(out.reshape(num_tokens, q_size), p.o_w, p.o_b), k_cache, v_cache
+        return dense(out.reshape(num_tokens, q_size), p.o_w, p.o_b, reduce), k_cache, v_cache
 
     def ffn(p: LayerParams, h: Array, xs: dict[str, Array]) -> Array:
         if not cfg.num_experts:
-            return mlp(h, p.up_w, p.up_b, p.down_w, p.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp)
+            return mlp(h, p.up_w, p.up_b, p.down_w, p.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp,
+                       reduce=reduce)
 
         def sparse(h: Array) -> Array:
             return moe_mlp(h, params.moe, xs["mlp_slot"], top_k=cfg.num_experts_per_tok,
                            renormalize=cfg.moe_renormalize, weights_in_dtype=cfg.moe_weights_in_dtype,
-                           act=cfg.hidden_act)
+                           act=cfg.hidden_act, reduce=reduce)
 
         if not cfg.dense_mlp_layers:
             return sparse(h)
 
         def dense_layer(h: Array) -> Array:
             d = take_layer(params.dense_mlp, xs["mlp_slot"])
-            return mlp(h, d.up_w, d.up_b, d.down_w, d.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp)
+            return mlp(h, d.up_w, d.up_b, d.down_w, d.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp,
+                       reduce=reduce)
 
         return jax.lax.cond(xs["is_moe"], sparse, dense_layer, h)  # only the layer's own kind runs
 
@@ -177,4 +191,18 @@ def forward(
     logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
+    if tp is not None and tp.vocab_parallel:  # each device holds one slice of the vocabulary
+        logits = jax.lax.all_gather(logits, tp.axis, axis=1, tiled=True)
     return logits, KVCache(k=k_cache, v=v_cache)
+
+
+def _embed(embed: Float[Array, "V H"], input_ids: Int[Array, " T"], tp: TensorParallel | None) -> Array:
+    """Embedding lookup; with a vocabulary-parallel table, each device looks up the ids in its slice
+    (zeros elsewhere) and one sum over the devices completes every row, exactly."""
+    if tp is None or not tp.vocab_parallel:
+        return embed[input_ids]
+    rows = embed.shape[0]
+    local = input_ids - jax.lax.axis_index(tp.axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], embed[jnp.clip(local, 0, rows - 1)], jnp.zeros((), embed.dtype))
+    return jax.lax.psum(x, tp.axis)

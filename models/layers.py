@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+Reduce = Callable[[Array], Array]  # sums a row-parallel product's partial results over the devices
 
 
 def rms_norm(x: Float[Array, "T H"], weight: Float[Array, " H"], eps: float) -> Float[Array, "T H"]:
@@ -45,10 +49,17 @@ def norm(kind: str, x: Array, weight: Array, bias: Array | None, eps: float) -> 
     return rms_norm(x, weight, eps)
 
 
-def dense(x: Float[Array, "T I"], w: Float[Array, "I O"], b: Float[Array, " O"] | None = None) -> Float[Array, "T O"]:
+def dense(
+    x: Float[Array, "T I"], w: Float[Array, "I O"], b: Float[Array, " O"] | None = None, reduce: Reduce | None = None
+) -> Float[Array, "T O"]:
     """x @ w (+ b) with float32 accumulation; HIGHEST precision keeps float32 models exact on GPUs
-    that would otherwise use TF32."""
-    y = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+    that would otherwise use TF32. `reduce` (row-parallel: `w` holds this device's rows) sums the
+    float32 partial products over the devices before the one rounding and the bias, so a split
+    layer rounds as the whole one does."""
+    y = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if reduce is not None:
+        y = reduce(y)
+    y = y.astype(x.dtype)
     return y if b is None else y + b
 
 
@@ -72,13 +83,15 @@ def mlp(
     *,
     act: str,
     gated: bool,
+    reduce: Reduce | None = None,
 ) -> Float[Array, "T H"]:
-    """Gated MLP (act(gate) * up, gate and up fused into one matmul) or plain (act(up))."""
+    """Gated MLP (act(gate) * up, gate and up fused into one matmul) or plain (act(up)); `reduce`
+    as in `dense`, for the down projection."""
     h = dense(x, up_w, up_b)
     if gated:
         gate, up = jnp.split(h, 2, axis=-1)
         h = activation(act, gate) * up
     else:
         h = activation(act, h)
-    return dense(h, down_w, down_b)
+    return dense(h, down_w, down_b, reduce)
 

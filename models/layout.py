@@ -92,32 +92,45 @@ def _build(leaf: Leaf, read: Callable[[str], np.ndarray], i: int | None) -> np.n
     return np.swapaxes(t, -1, -2) if leaf.linear else t
 
 
-def _assemble(layout: Layout, num_layers: int, per_layer: Callable[[Leaf, tuple[int, ...]], object],
-              top: Callable[[Leaf], object]) -> DecoderParams:
-    """DecoderParams with each per-layer field made by `per_layer(leaf, the layers it covers)` and
-    each top field by `top(leaf)`: the one shape of the pytree, for real and for abstract params."""
-    layers = LayerParams(**{name: per_layer(leaf, tuple(range(num_layers))) for name, leaf in layout.layer.items()})
-    stacks = {field_name: s.params_cls(**{name: per_layer(leaf, s.layers) for name, leaf in s.leaves.items()})
+def _assemble(layout: Layout, num_layers: int, per_layer: Callable[[str, Leaf, tuple[int, ...]], object],
+              top: Callable[[str, Leaf], object]) -> DecoderParams:
+    """DecoderParams with each per-layer field made by `per_layer(path, leaf, the layers it covers)`
+    and each top field by `top(path, leaf)` (path: "layers.qkv_w", "moe.experts_up_w", "embed"): the
+    one shape of the pytree, for real and for abstract params."""
+    layers = LayerParams(**{name: per_layer(f"layers.{name}", leaf, tuple(range(num_layers)))
+                            for name, leaf in layout.layer.items()})
+    stacks = {field_name: s.params_cls(**{name: per_layer(f"{field_name}.{name}", leaf, s.layers)
+                                          for name, leaf in s.leaves.items()})
               for field_name, s in layout.stacks.items()}
-    return DecoderParams(layers=layers, **{name: top(leaf) for name, leaf in layout.top.items()}, **stacks)
+    return DecoderParams(layers=layers, **{name: top(name, leaf) for name, leaf in layout.top.items()}, **stacks)
+
+
+Place = Callable[[str, np.ndarray], jax.Array]  # a host field (by its path) onto the device(s)
+
+
+def _to_default_device(path: str, array: np.ndarray) -> jax.Array:
+    return jnp.asarray(array)
 
 
 def params_from_layout(
-    layout: Layout, read: Callable[[str], np.ndarray], num_layers: int, dtype: np.dtype
+    layout: Layout, read: Callable[[str], np.ndarray], num_layers: int, dtype: np.dtype,
+    place: Place = _to_default_device,
 ) -> DecoderParams:
     """Read and convert every tensor; per-layer fields are stacked on a leading layer axis (filled
-    in place, so peak host memory is one stacked copy)."""
+    in place, so peak host memory is one stacked copy) and handed to `place` one field at a time
+    (tensor parallelism sends each device only its slice)."""
 
-    def stacked(leaf: Leaf, layers: tuple[int, ...]) -> jax.Array:
+    def stacked(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.Array:
         out = np.empty((len(layers), *leaf.shape()), dtype)
         for row, i in enumerate(layers):
             out[row] = _build(leaf, read, i)
-        return jnp.asarray(out)
+        return place(path, out)
 
-    return _assemble(layout, num_layers, stacked, lambda leaf: jnp.asarray(np.asarray(_build(leaf, read, None), dtype)))
+    return _assemble(layout, num_layers, stacked,
+                     lambda path, leaf: place(path, np.asarray(_build(leaf, read, None), dtype)))
 
 
 def abstract_from_layout(layout: Layout, num_layers: int, dtype: np.dtype) -> DecoderParams:
     s = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    return _assemble(layout, num_layers, lambda leaf, layers: s((len(layers), *leaf.shape())),
-                     lambda leaf: s(leaf.shape()))
+    return _assemble(layout, num_layers, lambda path, leaf, layers: s((len(layers), *leaf.shape())),
+                     lambda path, leaf: s(leaf.shape()))

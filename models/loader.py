@@ -27,6 +27,7 @@ from models.config import ModelConfig, model_config_from_hf
 from models.gguf_io import GGUFCheckpoint
 from models.registry import Architecture, get_architecture
 from models.safetensors_io import SafetensorsCheckpoint
+from models.sharding import TensorParallel, field_paths, param_bytes
 from models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
     load_seconds: float = 0.0
     from_cache: bool = False
+    tp: TensorParallel | None = None  # how params are split over devices (None: one device)
 
 
 def resolve_source(model: str | os.PathLike | None) -> tuple[str, Path]:
@@ -172,7 +174,8 @@ def _save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer:
         logger.warning("could not write param cache to %s: %s", entry, e)
 
 
-def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str) -> Any:
+def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,
+             place: Callable[[str, np.ndarray], Any] | None = None) -> Any:
     total = len(arch.hf_tensor_shapes(cfg))
     with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None) as bar:
 
@@ -180,7 +183,31 @@ def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, d
             bar.update(1)
             return ckpt.read(name)
 
-        return arch.params_from_hf(read, cfg, dtype)
+        return arch.params_from_hf(read, cfg, dtype, place)
+
+
+def _keep_on_host(path: str, array: np.ndarray) -> np.ndarray:
+    return array
+
+
+def _tensor_parallel(cfg: ModelConfig, size: int) -> TensorParallel | None:
+    return TensorParallel.create(cfg, size) if size > 1 else None
+
+
+def _device_bytes(params: Any) -> int:
+    """Bytes of params the first device holds."""
+    return int(sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree_util.tree_leaves(params)))
+
+
+def _place_all(params: Any, tp: TensorParallel) -> Any:
+    """Params already assembled (a GGUF conversion or its cache) onto the mesh, field by field."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    placed = []
+    for path, leaf in zip(field_paths(params), leaves):
+        placed.append(tp.place(path, np.asarray(leaf)))
+        if isinstance(leaf, jax.Array):
+            leaf.delete()  # one field on the default device at a time
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 class _RenamedCheckpoint:
@@ -220,9 +247,10 @@ def _model_spec(hf_config: dict[str, Any], dtype: str, kind: str) -> tuple[Model
 
 
 def _load_gguf(
-    path: Path, dtype: str, cache_dir: str | os.PathLike | None, use_cache: bool
+    path: Path, dtype: str, cache_dir: str | os.PathLike | None, use_cache: bool, tp_size: int = 1,
 ) -> tuple[Any, dict[str, Any], Any, bool]:
-    """Dequantising a GGUF is slow, so its converted params, config and tokenizer are cached on disk."""
+    """Dequantising a GGUF is slow, so its converted params, config and tokenizer are cached on disk
+    (in the whole model's layout, whatever the tensor parallelism: they are split afterwards)."""
     def abstract_of(hf_config: dict[str, Any]) -> Any:
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
         return arch.abstract_params(cfg, np_dtype)
@@ -231,17 +259,20 @@ def _load_gguf(
     if use_cache:
         cached = _restore_cached(entry, abstract_of)
         if cached is not None:
-            return (*cached, True)
+            params, hf_config, tokenizer = cached
+            tp = _tensor_parallel(_model_spec(hf_config, dtype, "gguf")[0], tp_size)
+            return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, True
     gguf_file = GGUFCheckpoint(path)
     hf_config = gguf_file.hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
+    tp = _tensor_parallel(cfg, tp_size)
     ckpt = _as_laid_out(gguf_file, arch)
     check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
-    params = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}")
+    params = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}", None if tp is None else _keep_on_host)
     tokenizer = tokenizer_from_gguf(gguf_file)
     if use_cache:
         _save_cached(entry, params, hf_config, tokenizer)
-    return params, hf_config, tokenizer, False
+    return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,26 +347,31 @@ def load_model(
     cache_dir: str | os.PathLike | None = None,
     use_param_cache: bool = True,
     tokenizer: str | os.PathLike | None = None,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load config, weights and tokenizer. Errors name the problem (missing config, unsupported
     architecture, truncated or mismatched tensors). `tokenizer`: a local tokenizer directory or
-    .gguf file to use instead of the model's own (vLLM's --tokenizer)."""
+    .gguf file to use instead of the model's own (vLLM's --tokenizer). `tensor_parallel_size` > 1
+    splits the weights over that many local devices as they load (ValueError naming the valid
+    sizes when the model does not divide)."""
     start = time.perf_counter()
     kind, path = resolve_source(model)
     tokenizer_source = tokenizer  # the name `tokenizer` is reused below for the loaded one
     tokenizer_override = _tokenizer_from_path(tokenizer_source) if tokenizer_source is not None else None
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
-        params, hf_config, tokenizer, from_cache = _load_gguf(path, dtype, cache_dir, use_param_cache)
+        params, hf_config, tokenizer, from_cache = _load_gguf(path, dtype, cache_dir, use_param_cache,
+                                                              tensor_parallel_size)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     else:
         hf_config = _read_hf_config(path)
         generation_config = _read_generation_config(path)
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+        tp = _tensor_parallel(cfg, tensor_parallel_size)
         ckpt = _as_laid_out(SafetensorsCheckpoint(path), arch)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
-        params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}")
+        params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}", None if tp is None else tp.place)
         tokenizer = tokenizer_from_directory(path) if tokenizer_override is None else None
         from_cache = False
     if tokenizer_override is not None:
@@ -357,7 +393,10 @@ def load_model(
         logger.info("MoE: %d experts on %d of %d layers, %d routed per token: %s params in all (every expert "
                     "counted in the memory plan), %s active per token", cfg.num_experts, len(cfg.moe_layers),
                     cfg.num_layers, cfg.num_experts_per_tok, _count(n_params), _count(active))
+    tp = _tensor_parallel(cfg, tensor_parallel_size)  # again: the config now has generation_config's EOS
+    if tp is not None:
+        logger.info("%s", tp.describe(param_bytes(arch.abstract_params(cfg, np_dtype)), _device_bytes(params)))
     return LoadedModel(
         config=cfg, params=params, architecture=arch, tokenizer=tokenizer, dtype=np_dtype, source=str(path),
-        generation_config=generation_config, load_seconds=seconds, from_cache=from_cache,
+        generation_config=generation_config, load_seconds=seconds, from_cache=from_cache, tp=tp,
     )

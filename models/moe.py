@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from models.layers import activation, dense, mlp
+from models.layers import Reduce, activation, dense, mlp
 
 # Tile heights: below ~16 rows a tile's product is bound by reading its expert's matrix, so fewer,
 # taller tiles cost nothing extra and read each routed expert once; above 256 padding waste dominates.
@@ -161,8 +161,10 @@ def experts_forward(
     act: str,
     layer: Int[Array, ""] | None = None,
     skip_empty_tiles: bool = True,
+    out_dtype: Any = None,
 ) -> Float[Array, "T H"]:
-    """Sum over each token's k experts of weight * expert(x), running only those experts."""
+    """Sum over each token's k experts of weight * expert(x), running only those experts; combined
+    in float32 and returned in `out_dtype` (default: x's)."""
     num_tokens, top_k = experts.shape
     num_experts = up_w.shape[-3]
     flat = experts.reshape(-1)
@@ -173,7 +175,7 @@ def experts_forward(
                            skip_empty_tiles=skip_empty_tiles)
     unsorted = jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, top_k, -1)
     out = jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), unsorted.astype(jnp.float32))
-    return out.astype(x.dtype)
+    return out.astype(x.dtype if out_dtype is None else out_dtype)
 
 
 def experts_forward_reference(
@@ -198,15 +200,18 @@ def moe_mlp(
     weights_in_dtype: bool,
     act: str,
     skip_empty_tiles: bool = True,
+    reduce: Reduce | None = None,
 ) -> Float[Array, "T H"]:
     """One MoE layer (`layer` indexes the stacked `p`): routed experts, plus Qwen2-MoE's shared
-    expert scaled by sigmoid(x @ shared_gate) when the model has one."""
+    expert scaled by sigmoid(x @ shared_gate) when the model has one. Under tensor parallelism
+    every device routes alike (the router is replicated) and runs its slice of each expert's
+    width; `reduce` sums the float32 partial outputs once, after the combine."""
     weights, experts = route(x, take_layer(p.router_w, layer), top_k, renormalize)
     if weights_in_dtype:  # Qwen rounds the weights to the model dtype; Mixtral keeps float32
         weights = weights.astype(x.dtype)
     out = experts_forward(x, weights, experts, p.experts_up_w, p.experts_down_w, act=act, layer=layer,
-                          skip_empty_tiles=skip_empty_tiles)
+                          skip_empty_tiles=skip_empty_tiles, out_dtype=None if reduce is None else jnp.float32)
     if p.shared_up_w is not None:
         up, down, gate = take_layer((p.shared_up_w, p.shared_down_w, p.shared_gate_w), layer)
         out = out + jax.nn.sigmoid(dense(x, gate)) * mlp(x, up, None, down, None, act=act, gated=True)
-    return out
+    return out if reduce is None else reduce(out).astype(x.dtype)

@@ -38,9 +38,12 @@ class Architecture:
         """Every tensor the checkpoint must hold, with its HF ([out, in]) shape."""
         return layout.tensor_shapes(self.layout(cfg), cfg.num_layers)
 
-    def params_from_hf(self, read: Callable[[str], np.ndarray], cfg: ModelConfig, dtype: np.dtype) -> Any:
-        """Assemble params from HF-named tensors (already checked for presence and shape)."""
-        return layout.params_from_layout(self.layout(cfg), read, cfg.num_layers, dtype)
+    def params_from_hf(self, read: Callable[[str], np.ndarray], cfg: ModelConfig, dtype: np.dtype,
+                       place: layout.Place | None = None) -> Any:
+        """Assemble params from HF-named tensors (already checked for presence and shape); `place`
+        puts each field on the device(s) (default: the default device)."""
+        kwargs = {} if place is None else {"place": place}
+        return layout.params_from_layout(self.layout(cfg), read, cfg.num_layers, dtype, **kwargs)
 
     def abstract_params(self, cfg: ModelConfig, dtype: np.dtype) -> Any:
         """Shapes and dtypes of the params without materialising them: lets memory planning size the

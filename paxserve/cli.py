@@ -194,7 +194,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the KV blocks of shared prompt prefixes")
     eng.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-                     help="devices to shard the model over (only 1 for now)")
+                     help="local devices to split the model over (Megatron tensor parallelism); the attention "
+                          "heads, KV heads (or the devices, when heads are fewer) and MLP widths must divide by it")
     eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
     _add_attention_backend(eng)
     _add_model_source_flags(eng, defaults_in_help=True)

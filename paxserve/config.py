@@ -73,9 +73,9 @@ class EngineConfig:
             raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be an integer >= 1")
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
-        if self.tensor_parallel_size != 1:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise _bad("tensor_parallel_size", self.tensor_parallel_size,
-                       "only 1 is supported until tensor parallelism lands")
+                       "must be an integer >= 1 (the model's heads and widths must divide by it; checked at start)")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise _bad("seed", self.seed, "must be an integer >= 0")
         if self.log_stats_interval < 0:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from models.loader import cache_root, inspect_model, load_model
 from models.registry import get_architecture
+from models.sharding import TensorParallel, param_bytes
 from paxserve.batch import SeqChunk, next_power_of_2
 from paxserve.config import EngineConfig
 from paxserve.engine_core import EngineCore
@@ -78,10 +79,18 @@ class Engine:
         if config.compilation_cache_dir != "":
             _enable_compilation_cache(config.compilation_cache_dir or str(cache_root() / "xla"))
         info = inspect_model(model, config.dtype)
+        arch = get_architecture(info.config.architecture)
+        # Checked before anything loads: a size the model cannot split fails naming the valid ones.
+        tp = TensorParallel.create(info.config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 \
+            else None
+        # Memory is planned per device, from one device's share of the model (its heads, its slice of
+        # every width, its KV heads): the host side then sees one cache of num_blocks blocks.
+        local_cfg = info.config if tp is None else tp.local
+        weight_bytes = info.weight_bytes if tp is None else param_bytes(arch.abstract_params(local_cfg, info.dtype))
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, jax.devices()[0].platform, num_heads=info.config.num_heads,
-            num_kv_heads=info.config.num_kv_heads, head_dim=info.config.head_dim, block_size=config.block_size,
-            dtype=info.dtype, sliding_window=info.config.sliding_window, alibi=info.config.alibi)
+            config.attention_backend, jax.devices()[0].platform, num_heads=local_cfg.num_heads,
+            num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
+            dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi)
         logger.info("attention backend: %s", self.attention_backend)
         device_bytes = _device_memory_bytes()
         activation_bytes = 0
@@ -89,13 +98,20 @@ class Engine:
             model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
                 info.config.max_position_embeddings
             activation_bytes = measure_activation_bytes(
-                info.config, get_architecture(info.config.architecture), info.dtype, config.block_size,
+                info.config, arch, info.dtype, config.block_size,
                 config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
-                -(-model_len // config.block_size), attention_backend=self.attention_backend)
-            logger.info("activation peak of the largest step: %.2f GiB", activation_bytes / 2**30)
-        self.plan = plan_kv_cache(info.config, config, info.dtype.itemsize, info.weight_bytes, device_bytes,
-                                  activation_bytes)
-        self.model = load_model(model, config.dtype, tokenizer=config.tokenizer)
+                -(-model_len // config.block_size), attention_backend=self.attention_backend, tp=tp)
+            logger.info("activation peak of the largest step: %.2f GiB%s", activation_bytes / 2**30,
+                        "" if tp is None else " per device")
+        if tp is not None:
+            logger.info("tensor parallel %d: per device %.3f GiB of weights (%.3f GiB in all) and %d of %d KV "
+                        "head(s)%s", tp.size, weight_bytes / 2**30, info.weight_bytes / 2**30, local_cfg.num_kv_heads,
+                        info.config.num_kv_heads, "" if tp.kv_replicas == 1 else
+                        f" (each KV head repeated on {tp.kv_replicas} devices)")
+        self.plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes,
+                                  activation_bytes, num_devices=1 if tp is None else tp.size)
+        self.model = load_model(model, config.dtype, tokenizer=config.tokenizer,
+                                tensor_parallel_size=config.tensor_parallel_size)
         # vLLM's --generation-config: defaults for the sampling fields a request leaves unset.
         self.sampling_defaults, defaults_line = file_defaults or resolve_sampling_defaults(
             config.generation_config, self.model.generation_config, self.model.source)

@@ -48,8 +48,12 @@ def plan_kv_cache(
     weight_bytes: int,
     device_bytes: int | None,
     activation_bytes: int = 0,
+    num_devices: int = 1,
 ) -> KVCachePlan:
-    """`device_bytes` is the accelerator's memory, or None on CPU."""
+    """`device_bytes` is the accelerator's memory, or None on CPU. Under tensor parallelism `cfg`
+    is one device's share and every budget is per device (as vLLM's --kv-cache-memory-bytes and
+    --gpu-memory-utilization are), except the CPU default, a host budget the `num_devices`
+    simulated devices share."""
     bs = config.block_size
     per_block = kv_bytes_per_block(cfg, bs, itemsize)
     if config.num_gpu_blocks_override is not None:
@@ -59,7 +63,8 @@ def plan_kv_cache(
         if config.kv_cache_memory_bytes is not None:
             budget, source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif device_bytes is None:
-            budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "the CPU KV-cache budget (set kv_cache_memory_bytes to change)"
+            budget, source = DEFAULT_CPU_KV_CACHE_BYTES // num_devices, \
+                "the CPU KV-cache budget (set kv_cache_memory_bytes to change)"
         else:
             budget = int(config.gpu_memory_utilization * device_bytes) - weight_bytes - activation_bytes
             source = (f"gpu_memory_utilization {config.gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB "
@@ -88,8 +93,8 @@ def plan_kv_cache(
         )
     plan = KVCachePlan(num_blocks=num_blocks, block_size=bs, bytes_per_block=per_block, max_model_len=max_model_len)
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (from %s); maximum concurrency for %d-token "
-        "requests: %.2fx", num_blocks - 1, bs, plan.num_tokens, plan.num_bytes / GiB, source, max_model_len,
-        plan.max_concurrency,
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB%s (from %s); maximum concurrency for %d-token "
+        "requests: %.2fx", num_blocks - 1, bs, plan.num_tokens, plan.num_bytes / GiB,
+        "" if num_devices == 1 else f" on each of {num_devices} devices", source, max_model_len, plan.max_concurrency,
     )
     return plan

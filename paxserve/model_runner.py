@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loader import LoadedModel
+from models.sharding import TensorParallel
 from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
 from paxserve.sampler import SamplingMetadata, sample
 from paxserve.sampling_metadata import SampledTokens, SamplingInputs, unpack
@@ -23,24 +24,42 @@ from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCac
 logger = logging.getLogger(__name__)
 
 
+_STATIC = ("cfg", "attention_backend", "tp")
+
+
+def _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
+                 attention_backend: AttentionBackend, tp: TensorParallel | None):
+    if tp is None:
+        return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend)
+    return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend)(
+        params, kv_cache, input_ids, positions, metadata)
+
+
 @cache
 def _jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Forward only (logits back to the host): one jitted function per architecture, shared by all
     runners, so XLA's cache (keyed by the static config and shapes) is reused across runners."""
-    return jax.jit(forward, static_argnames=("cfg", "attention_backend"), donate_argnums=(1,))
+
+    def logits(params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
+               attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+        return _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp)
+
+    return jax.jit(logits, static_argnames=_STATIC, donate_argnums=(1,))
 
 
 @cache
 def _jitted_step(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Forward + on-device sampling: only the packed sampled ids (and logprobs) leave the device."""
+    """Forward + on-device sampling: only the packed sampled ids (and logprobs) leave the device.
+    Under tensor parallelism the forward runs split over the mesh and sampling runs on the
+    gathered full-vocabulary logits, alike on every device."""
 
     def step(params, kv_cache, input_ids, positions, metadata, sampling, cfg,  # noqa: ANN001, ANN202
-             attention_backend=REFERENCE):  # noqa: ANN001
-        logits, kv_cache = forward(params, kv_cache, input_ids, positions, metadata, cfg,
-                                   attention_backend=attention_backend)
+             attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+        logits, kv_cache = _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,
+                                        attention_backend, tp)
         return sample(logits, sampling), kv_cache
 
-    return jax.jit(step, static_argnames=("cfg", "attention_backend"), donate_argnums=(1,))
+    return jax.jit(step, static_argnames=_STATIC, donate_argnums=(1,))
 
 
 def _metadata(batch: Batch) -> AttentionMetadata:
@@ -71,9 +90,15 @@ class ModelRunner:
         self.buckets: set[tuple] = set()  # compiled step shapes, for the log and for tests
 
     def _new_kv_cache(self) -> KVCache:
-        cfg = self.model.config
-        return KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             jnp.dtype(self.model.dtype))
+        cfg, tp = self.model.config, self.model.tp
+        if tp is None:
+            return KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                 jnp.dtype(self.model.dtype))
+        # Made in place on the mesh (each device zeroes only its KV heads), never whole on one device.
+        heads = tp.local.num_kv_heads * tp.size
+        make = lambda: KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, heads,  # noqa: E731
+                                     cfg.head_dim, jnp.dtype(self.model.dtype))
+        return jax.jit(make, out_shardings=KVCache(k=tp.kv_sharding, v=tp.kv_sharding))()
 
     @property
     def num_blocks(self) -> int:
@@ -122,7 +147,7 @@ class ModelRunner:
                            batch.block_tables.shape[1]))
         logits, self.kv_cache = _jitted_logits(self.model.architecture.forward)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            _metadata(batch), cfg=self.model.config, attention_backend=self.attention_backend,
+            _metadata(batch), cfg=self.model.config, attention_backend=self.attention_backend, tp=self.model.tp,
         )
         return np.asarray(logits[: batch.num_seqs])
 
@@ -136,32 +161,38 @@ class ModelRunner:
         packed, self.kv_cache = _jitted_step(self.model.architecture.forward)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
             _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=self.model.config,
-            attention_backend=self.attention_backend,
+            attention_backend=self.attention_backend, tp=self.model.tp,
         )
         return unpack(np.asarray(packed), batch.num_seqs, sampling.num_logprobs)
 
 
 def measure_activation_bytes(
     model_cfg: Any, architecture: Any, dtype: np.dtype, block_size: int, max_tokens: int, max_seqs: int,
-    max_blocks_per_seq: int, attention_backend: AttentionBackend = REFERENCE,
+    max_blocks_per_seq: int, attention_backend: AttentionBackend = REFERENCE, tp: TensorParallel | None = None,
 ) -> int:
     """Temporary memory XLA plans for the largest step bucket, from shapes alone (no weights are
-    needed), so memory planning can reserve it before the KV cache takes the rest."""
+    needed), so memory planning can reserve it before the KV cache takes the rest (per device,
+    under tensor parallelism)."""
     from paxserve.sampling_metadata import SamplingRow, build_sampling_inputs
     from paxserve.sampling_params import SamplingParams
 
     cfg = model_cfg
     num_tokens, num_seqs = next_power_of_2(max_tokens), next_power_of_2(max_seqs)
-    kv_shape = (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = KVCache(k=jax.ShapeDtypeStruct(kv_shape, dtype), v=jax.ShapeDtypeStruct(kv_shape, dtype))
+    kv_heads = cfg.num_kv_heads if tp is None else tp.local.num_kv_heads * tp.size
+    kv_shape = (cfg.num_layers, 2, block_size, kv_heads, cfg.head_dim)
+    kv_sharding = None if tp is None else tp.kv_sharding
+    kv = KVCache(k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding),
+                 v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding))
+    params = architecture.abstract_params(cfg, dtype) if tp is None else \
+        tp.abstract_params(architecture.abstract_params(tp.local, dtype))
     chunk = SeqChunk([0], 0, [1])
     batch = build_batch([chunk], block_size, pad_tokens_to=num_tokens, pad_seqs_to=num_seqs,
                         pad_blocks_to=max_blocks_per_seq)
     sampling = build_sampling_inputs([SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), [0], [], 0, ())],
                                      num_seqs, cfg.vocab_size)
     lowered = _jitted_step(architecture.forward).lower(
-        architecture.abstract_params(cfg, dtype), kv, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-        _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=cfg, attention_backend=attention_backend,
+        params, kv, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+        _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=cfg, attention_backend=attention_backend, tp=tp,
     )
     analysis = lowered.compile().memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0

@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 
+# Four simulated CPU devices for the tensor-parallel tests, set before JAX starts its backend (the
+# library never reads this; single-device code runs on device 0 as before).
+NUM_TEST_DEVICES = 4
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={NUM_TEST_DEVICES}").strip()
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import release_compiled_programs  # noqa: E402 (needs the path above)

@@ -60,7 +60,7 @@ def test_max_model_len_beyond_the_model_is_rejected() -> None:
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(block_size=12), "block_size"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(gpu_memory_utilization=0), "gpu_memory_utilization"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(max_model_len=0), "max_model_len"), (dict(max_model_len="big"), "max_model_len"),
     (dict(dtype="int8"), "dtype"), (dict(num_gpu_blocks_override=1), "num_gpu_blocks_override"),

@@ -1,0 +1,231 @@
+"""Tensor parallelism: the Megatron layout of the decoder's params and KV cache over a `tp` mesh axis.
+
+Column-parallel: the fused QKV projection (split by heads), gate/up (split by MLP width), each
+expert's gate/up (split by expert width). Row-parallel: the attention output and down projections,
+whose partial products the decoder sums with one all-reduce each. The KV cache is split on its
+KV-head axis; when a model has fewer KV heads than devices, each head is repeated over
+`size // num_kv_heads` devices (its K/V projection columns repeated to match), as vLLM does, so
+every device attends its own query heads with the same kernels, on local shapes.
+
+A fused axis (QKV, gate|up) is reordered at load time so device d's contiguous slice holds exactly
+its own part of each piece: [q_d | k_d | v_d] and [gate_d | up_d]. Inside `shard_map` the decoder
+then runs unchanged on a `local` config (heads, KV heads, widths and, when it divides, the
+vocabulary all divided by the size); the host side never learns how many devices there are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+
+TP_AXIS = "tp"
+KV_CACHE_SPEC = P(None, None, None, TP_AXIS, None)  # [layers, blocks, block_size, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """`axis` of the field is split over the devices; `fused` names what the axis holds side by
+    side ("qkv", or "gated" = gate | up), which each device needs its own slice of."""
+
+    axis: int
+    fused: str | None = None
+
+
+def shard_rules(cfg: ModelConfig, vocab_parallel: bool) -> dict[str, ShardRule]:
+    """Params field path (as `field_paths` names it) -> how it is split; fields not named are
+    replicated (norms, q/k norms, output biases, the router and the shared-expert gate)."""
+    gated = "gated" if cfg.gated_mlp else None
+    rules = {
+        "layers.qkv_w": ShardRule(2, "qkv"), "layers.qkv_b": ShardRule(1, "qkv"),
+        "layers.o_w": ShardRule(1),
+        "layers.up_w": ShardRule(2, gated), "layers.up_b": ShardRule(1, gated), "layers.down_w": ShardRule(1),
+        "dense_mlp.up_w": ShardRule(2, gated), "dense_mlp.up_b": ShardRule(1, gated),
+        "dense_mlp.down_w": ShardRule(1),
+        "moe.experts_up_w": ShardRule(3, "gated"), "moe.experts_down_w": ShardRule(2),
+        "moe.shared_up_w": ShardRule(2, "gated"), "moe.shared_down_w": ShardRule(1),
+    }
+    if vocab_parallel:
+        rules |= {"embed": ShardRule(0), "lm_head": ShardRule(1)}
+    return rules
+
+
+def field_paths(tree: Any) -> list[str]:
+    """Dotted field paths of a params pytree's leaves ("layers.qkv_w", "moe.experts_up_w", "embed")."""
+    return [".".join(str(getattr(k, "name", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _widths(cfg: ModelConfig) -> dict[str, int]:
+    return {"intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+            "shared_expert_size": cfg.shared_expert_size}
+
+
+def size_problems(cfg: ModelConfig, size: int) -> list[str]:
+    """Why `size` devices cannot split this model (empty when they can)."""
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"{cfg.num_heads} attention heads do not divide into {size}")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads neither divide into {size} nor {size} into them")
+    problems += [f"{name}={width} does not divide into {size}" for name, width in _widths(cfg).items()
+                 if width and width % size]
+    return problems
+
+
+def valid_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
+    return [n for n in range(1, limit + 1) if not size_problems(cfg, n)]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A `tp` mesh and the model's split over it. Hashable, so it is a static argument of the
+    jitted step (the mesh is part of the traced program)."""
+
+    mesh: Mesh
+    cfg: ModelConfig  # the whole model
+    local: ModelConfig = field(compare=False)  # one device's share: what the decoder sees in shard_map
+    vocab_parallel: bool = True
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[TP_AXIS]
+
+    @property
+    def axis(self) -> str:
+        return TP_AXIS
+
+    @property
+    def kv_replicas(self) -> int:
+        """Devices holding each KV head (1 unless the model has fewer KV heads than devices)."""
+        return max(1, self.size // self.cfg.num_kv_heads)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, size: int, devices: list[Any] | None = None) -> "TensorParallel":
+        """Split `cfg` over the first `size` devices; ValueError naming the valid sizes otherwise."""
+        devices = list(jax.devices() if devices is None else devices)
+        problems = size_problems(cfg, size)
+        if problems:
+            fitting = [n for n in valid_sizes(cfg) if n <= max(len(devices), 8)]
+            raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}. Valid "
+                             f"sizes for it: {', '.join(map(str, fitting))}")
+        if size > len(devices):
+            kind = devices[0].platform if devices else "no"
+            hint = (f" (on CPU, start the process with XLA_FLAGS=--xla_force_host_platform_device_count={size} "
+                    "to simulate devices)") if kind == "cpu" else ""
+            raise ValueError(f"tensor_parallel_size={size} needs {size} devices but {len(devices)} {kind} "
+                             f"device(s) are visible{hint}")
+        vocab_parallel = cfg.vocab_size % size == 0
+        kv = max(cfg.num_kv_heads, size)
+        local = cfg.replace(
+            num_heads=cfg.num_heads // size, num_kv_heads=kv // size,
+            vocab_size=cfg.vocab_size // size if vocab_parallel else cfg.vocab_size,
+            **{name: width // size for name, width in _widths(cfg).items() if width},
+        )
+        return cls(mesh=Mesh(np.asarray(devices[:size]), (TP_AXIS,)), cfg=cfg, local=local,
+                   vocab_parallel=vocab_parallel)
+
+    # ---- params -------------------------------------------------------------------------------
+
+    def rule(self, path: str) -> ShardRule | None:
+        return shard_rules(self.cfg, self.vocab_parallel).get(path)
+
+    def spec(self, path: str, ndim: int) -> P:
+        rule = self.rule(path)
+        if rule is None:
+            return P()
+        return P(*(TP_AXIS if a == rule.axis else None for a in range(ndim)))
+
+    def param_specs(self, params: Any) -> Any:
+        """A pytree of PartitionSpecs matching `params` (arrays or ShapeDtypeStructs)."""
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        return jax.tree_util.tree_unflatten(
+            treedef, [self.spec(path, leaf.ndim) for path, leaf in zip(field_paths(params), leaves)])
+
+    def reorder(self, path: str, array: np.ndarray) -> np.ndarray:
+        """The field as this split stores it: fused axes regrouped per device, KV heads repeated
+        when they are fewer than the devices. Other fields are returned as they are."""
+        rule = self.rule(path)
+        if rule is None or rule.fused is None:
+            return array
+        axis, n = rule.axis, self.size
+        if rule.fused == "gated":
+            gate, up = np.split(array, 2, axis=axis)
+            pieces = [gate, up]
+        else:
+            d = self.cfg.head_dim
+            q_size, kv_size = self.cfg.num_heads * d, self.cfg.num_kv_heads * d
+            q, k, v = np.split(array, [q_size, q_size + kv_size], axis=axis)
+            k, v = (self._repeat_kv_heads(t, axis) for t in (k, v))
+            pieces = [q, k, v]
+        per_device = [np.split(piece, n, axis=axis) for piece in pieces]
+        return np.concatenate([part for d in range(n) for part in (p[d] for p in per_device)], axis=axis)
+
+    def _repeat_kv_heads(self, t: np.ndarray, axis: int) -> np.ndarray:
+        if self.kv_replicas == 1:
+            return t
+        d = self.cfg.head_dim
+        heads = t.reshape(*t.shape[:axis], self.cfg.num_kv_heads, d, *t.shape[axis + 1:])
+        return np.repeat(heads, self.kv_replicas, axis=axis).reshape(
+            *t.shape[:axis], self.cfg.num_kv_heads * self.kv_replicas * d, *t.shape[axis + 1:])
+
+    def place(self, path: str, array: np.ndarray) -> jax.Array:
+        """One host field onto the mesh: each device receives only its own slice."""
+        array = self.reorder(path, np.asarray(array))
+        return jax.device_put(array, NamedSharding(self.mesh, self.spec(path, array.ndim)))
+
+    def abstract_params(self, local_abstract: Any) -> Any:
+        """Whole-mesh ShapeDtypeStructs (with their shardings) from one device's abstract params."""
+        leaves, treedef = jax.tree_util.tree_flatten(local_abstract)
+        out = []
+        for path, leaf in zip(field_paths(local_abstract), leaves):
+            spec = self.spec(path, leaf.ndim)
+            shape = tuple(s * self.size if name == TP_AXIS else s for s, name in zip(leaf.shape, tuple(spec) +
+                                                                                        (None,) * leaf.ndim))
+            out.append(jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=NamedSharding(self.mesh, spec)))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    # ---- KV cache and the sharded step --------------------------------------------------------
+
+    @property
+    def kv_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, KV_CACHE_SPEC)
+
+    def shard_forward(self, forward: Callable[..., Any], params: Any, kv_cache: Any, *,
+                      attention_backend: Any) -> Callable[..., Any]:
+        """`forward` run per device under `shard_map` on the local config: params and KV cache
+        split as above, the batch (ids, positions, attention metadata) replicated, full-vocabulary
+        logits back on every device (so sampling sees every token)."""
+        kv_specs = jax.tree.map(lambda _: KV_CACHE_SPEC, kv_cache)
+
+        def local_forward(params, kv_cache, input_ids, positions, metadata):  # noqa: ANN001, ANN202
+            return forward(params, kv_cache, input_ids, positions, metadata, self.local,
+                           attention_backend=attention_backend, tp=self)
+
+        return jax.shard_map(local_forward, mesh=self.mesh,
+                             in_specs=(self.param_specs(params), kv_specs, P(), P(), P()),
+                             out_specs=(P(), kv_specs), check_vma=False)
+
+    def describe(self, weight_bytes: int, local_weight_bytes: int) -> str:
+        """The split in plain words, for the start-up log."""
+        devices = ", ".join(str(d) for d in self.mesh.devices.flat)
+        kv = (f"{self.local.num_kv_heads} KV head(s) per device" if self.kv_replicas == 1 else
+              f"each of the {self.cfg.num_kv_heads} KV head(s) repeated on {self.kv_replicas} devices")
+        vocab = (f"vocabulary split {self.local.vocab_size} per device" if self.vocab_parallel else
+                 f"embedding and LM head replicated ({self.cfg.vocab_size} tokens do not divide into {self.size})")
+        return (f"tensor parallel over {self.size} devices ({devices}): {self.local.num_heads} of "
+                f"{self.cfg.num_heads} query heads and {kv}; MLP width {self._width_line()}; {vocab}; weights "
+                f"{local_weight_bytes / 2**30:.3f} GiB per device of {weight_bytes / 2**30:.3f} GiB in all")
+
+    def _width_line(self) -> str:
+        parts = [f"{getattr(self.local, name)} of {w}" for name, w in _widths(self.cfg).items() if w]
+        return ", ".join(parts) if parts else "-"
+
+
+def param_bytes(abstract: Any) -> int:
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(abstract)))
