@@ -82,6 +82,19 @@ def valid_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
     return [n for n in range(1, limit + 1) if not size_problems(cfg, n)]
 
 
+def split_config(cfg: ModelConfig, size: int) -> tuple[ModelConfig, bool]:
+    """(one device's share of the model, whether the vocabulary is split) for a size that
+    `size_problems` accepts. Needs no devices: memory planning and benchmarks/tp_memory.py use it
+    with abstract params."""
+    vocab_parallel = cfg.vocab_size % size == 0
+    local = cfg.replace(
+        num_heads=cfg.num_heads // size, num_kv_heads=max(cfg.num_kv_heads, size) // size,
+        vocab_size=cfg.vocab_size // size if vocab_parallel else cfg.vocab_size,
+        **{name: width // size for name, width in _widths(cfg).items() if width},
+    )
+    return local, vocab_parallel
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """A `tp` mesh and the model's split over it. Hashable, so it is a static argument of the
@@ -120,13 +133,7 @@ class TensorParallel:
                     "to simulate devices)") if kind == "cpu" else ""
             raise ValueError(f"tensor_parallel_size={size} needs {size} devices but {len(devices)} {kind} "
                              f"device(s) are visible{hint}")
-        vocab_parallel = cfg.vocab_size % size == 0
-        kv = max(cfg.num_kv_heads, size)
-        local = cfg.replace(
-            num_heads=cfg.num_heads // size, num_kv_heads=kv // size,
-            vocab_size=cfg.vocab_size // size if vocab_parallel else cfg.vocab_size,
-            **{name: width // size for name, width in _widths(cfg).items() if width},
-        )
+        local, vocab_parallel = split_config(cfg, size)
         return cls(mesh=Mesh(np.asarray(devices[:size]), (TP_AXIS,)), cfg=cfg, local=local,
                    vocab_parallel=vocab_parallel)
 

@@ -66,9 +66,18 @@ def plan_kv_cache(
             budget, source = DEFAULT_CPU_KV_CACHE_BYTES // num_devices, \
                 "the CPU KV-cache budget (set kv_cache_memory_bytes to change)"
         else:
-            budget = int(config.gpu_memory_utilization * device_bytes) - weight_bytes - activation_bytes
+            usable = int(config.gpu_memory_utilization * device_bytes)
+            budget = usable - weight_bytes - activation_bytes
             source = (f"gpu_memory_utilization {config.gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB "
                       f"- weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB")
+            if budget < per_block:  # a shorter max_model_len cannot help: the model itself does not fit
+                where = "per device" if num_devices > 1 else "on the device"
+                raise ValueError(
+                    f"the model does not fit: its weights take {weight_bytes / GiB:.2f} GiB {where} and the largest "
+                    f"step's activations {activation_bytes / GiB:.2f} GiB, leaving no KV-cache memory within "
+                    f"gpu_memory_utilization {config.gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB = "
+                    f"{usable / GiB:.2f} GiB. Split it over more devices (--tensor-parallel-size), use a smaller "
+                    f"--dtype, or raise --gpu-memory-utilization")
         num_blocks = max(0, budget // per_block)
     fits_len = max(0, (num_blocks - 1) * bs)
     model_len = cfg.max_position_embeddings

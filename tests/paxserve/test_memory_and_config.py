@@ -30,6 +30,17 @@ def test_gpu_budget_is_utilization_times_memory_minus_weights_and_activations(ca
     assert f"maximum concurrency for 8192-token requests: {plan.max_concurrency:.2f}x" in caplog.text
 
 
+def test_weights_that_do_not_fit_say_so_and_point_at_tensor_parallelism() -> None:
+    # Llama-3-70B in bf16 (131 GiB) on one 141 GB device; on each of two it fits.
+    seventy = LLAMA8B.replace(hidden_size=8192, num_layers=80, num_heads=64, intermediate_size=28672)
+    with pytest.raises(ValueError, match=r"the model does not fit: its weights take 131.42 GiB on the device .*"
+                                         r"--tensor-parallel-size"):
+        plan_kv_cache(seventy, EngineConfig(), 2, int(131.42 * GiB), 141 * 10**9)
+    half = seventy.replace(num_heads=32, num_kv_heads=4, intermediate_size=14336)
+    plan = plan_kv_cache(half, EngineConfig(), 2, int(65.71 * GiB), 141 * 10**9, num_devices=2)
+    assert plan.max_model_len == 8192 and plan.max_concurrency > 40
+
+
 def test_explicit_budgets_and_overrides() -> None:
     assert plan_kv_cache(LLAMA8B, EngineConfig(num_gpu_blocks_override=600), 2, 0, None).num_blocks == 600
     assert plan_kv_cache(LLAMA8B, EngineConfig(kv_cache_memory_bytes=2 * GiB), 2, 0, None).num_blocks == 1024
