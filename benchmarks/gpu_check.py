@@ -150,6 +150,8 @@ def part_a(smoke: bool, interpret: bool) -> None:
     ]
     max_ctx = 40 if smoke else 700
     num_seqs = 4 if smoke else 24
+    if smoke:  # the script's every path, not every variant: tests/pallas_kernels checks those on CPU
+        cases = [cases[0], cases[-1]]
     for label, dtype, bs, kvh, group, hd, window, cap, alibi in cases:
         p = ragged_problem(rng, num_seqs=num_seqs, block_size=bs, num_kv_heads=kvh, group=group, head_dim=hd,
                            dtype=dtype, max_ctx=max_ctx)
@@ -159,7 +161,8 @@ def part_a(smoke: bool, interpret: bool) -> None:
         with jax.default_matmul_precision("highest"):
             ref = ragged_paged_attention_reference(p["q"], p["k"], p["v"], 1, p["md"], **kw)
         check(label, out, ref, p["num_tokens"], dtype)
-    for label, dtype, splits in (("decode f32 auto splits", jnp.float32, None), ("decode bf16 4 splits", jnp.bfloat16, 4)):
+    decode_cases = (("decode f32 auto splits", jnp.float32, None), ("decode bf16 4 splits", jnp.bfloat16, 4))
+    for label, dtype, splits in decode_cases[1:] if smoke else decode_cases:
         from pallas_kernels.paged_attention import PagedDecodeAttentionConfig
 
         p = ragged_problem(rng, num_seqs=num_seqs, block_size=16, num_kv_heads=2, group=4, head_dim=d, dtype=dtype,
@@ -199,7 +202,7 @@ def part_b(smoke: bool, interpret: bool, deadline: float) -> None:
 
     bw = copy_bandwidth(smoke)
     heads, kv_heads, hd, bs = (8, 2, 32, 16) if smoke else (32, 8, 128, 16)
-    shapes = [(2, 64), (2, 128)] if smoke else [(64, 1024), (64, 4096), (256, 1024)]
+    shapes = [(2, 64)] if smoke else [(64, 1024), (64, 4096), (256, 1024)]
     min_time, reps = (0.0, 1) if smoke else (0.3, 3)
     for batch, ctx in shapes:
         if time.monotonic() > deadline:

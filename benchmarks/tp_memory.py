@@ -4,7 +4,7 @@
                                    [--sizes 1,2,4,8] [--max-num-batched-tokens 2048] [--max-num-seqs 256]
 
 Computed from abstract params (shapes only: no weights, no devices), through the same calls the
-engine makes at start-up: `split_config` for one device's share, `abstract_params` + `param_bytes`
+engine makes at start-up: `split_config` for one device's share, `device_share` + `param_bytes`
 for its weights, `plan_kv_cache` for the blocks. The one input the engine measures and this script
 cannot is the activation peak (XLA's temp memory for the largest step, known only by compiling on
 the device); it is replaced by the fixed estimate `activation_estimate` states.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.config import ModelConfig, model_config_from_hf  # noqa: E402
 from models.registry import get_architecture  # noqa: E402
-from models.sharding import param_bytes, size_problems, split_config  # noqa: E402
+from models.sharding import device_share, param_bytes, size_problems, split_config  # noqa: E402
 from paxserve.config import EngineConfig  # noqa: E402
 from paxserve.memory import plan_kv_cache  # noqa: E402
 
@@ -65,7 +65,7 @@ def plan_row(name: str, cfg: ModelConfig, size: int, args: argparse.Namespace, d
         return [name, str(size)] + ["-"] * 9 + ["invalid size: " + "; ".join(problems)]
     arch = get_architecture(cfg.architecture)
     local, _ = split_config(cfg, size)
-    weights = param_bytes(arch.abstract_params(local, BF16))
+    weights = param_bytes(device_share(cfg, size, lambda c: arch.abstract_params(c, BF16)))
     total = param_bytes(arch.abstract_params(cfg, BF16))
     activations = activation_estimate(cfg, local, args.max_num_batched_tokens, args.max_num_seqs)
     kv_per_token = local.kv_bytes_per_token * BF16.itemsize

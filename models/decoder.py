@@ -157,7 +157,8 @@ def forward(
         def sparse(h: Array) -> Array:
             return moe_mlp(h, params.moe, xs["mlp_slot"], top_k=cfg.num_experts_per_tok,
                            renormalize=cfg.moe_renormalize, weights_in_dtype=cfg.moe_weights_in_dtype,
-                           act=cfg.hidden_act, reduce=reduce)
+                           act=cfg.hidden_act, reduce=reduce,
+                           expert_axis=tp.axis if tp is not None and tp.expert_parallel else None)
 
         if not cfg.dense_mlp_layers:
             return sparse(h)

@@ -190,8 +190,8 @@ def _keep_on_host(path: str, array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _tensor_parallel(cfg: ModelConfig, size: int) -> TensorParallel | None:
-    return TensorParallel.create(cfg, size) if size > 1 else None
+def _tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> TensorParallel | None:
+    return TensorParallel.create(cfg, size, expert_parallel=expert_parallel) if size > 1 else None
 
 
 def _device_bytes(params: Any) -> int:
@@ -248,6 +248,7 @@ def _model_spec(hf_config: dict[str, Any], dtype: str, kind: str) -> tuple[Model
 
 def _load_gguf(
     path: Path, dtype: str, cache_dir: str | os.PathLike | None, use_cache: bool, tp_size: int = 1,
+    expert_parallel: bool = False,
 ) -> tuple[Any, dict[str, Any], Any, bool]:
     """Dequantising a GGUF is slow, so its converted params, config and tokenizer are cached on disk
     (in the whole model's layout, whatever the tensor parallelism: they are split afterwards)."""
@@ -260,12 +261,12 @@ def _load_gguf(
         cached = _restore_cached(entry, abstract_of)
         if cached is not None:
             params, hf_config, tokenizer = cached
-            tp = _tensor_parallel(_model_spec(hf_config, dtype, "gguf")[0], tp_size)
+            tp = _tensor_parallel(_model_spec(hf_config, dtype, "gguf")[0], tp_size, expert_parallel)
             return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, True
     gguf_file = GGUFCheckpoint(path)
     hf_config = gguf_file.hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
-    tp = _tensor_parallel(cfg, tp_size)
+    tp = _tensor_parallel(cfg, tp_size, expert_parallel)
     ckpt = _as_laid_out(gguf_file, arch)
     check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
     params = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}", None if tp is None else _keep_on_host)
@@ -348,12 +349,14 @@ def load_model(
     use_param_cache: bool = True,
     tokenizer: str | os.PathLike | None = None,
     tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load config, weights and tokenizer. Errors name the problem (missing config, unsupported
     architecture, truncated or mismatched tensors). `tokenizer`: a local tokenizer directory or
     .gguf file to use instead of the model's own (vLLM's --tokenizer). `tensor_parallel_size` > 1
     splits the weights over that many local devices as they load (ValueError naming the valid
-    sizes when the model does not divide)."""
+    sizes when the model does not divide); `enable_expert_parallel` places an MoE model's routed
+    experts whole on the devices instead of splitting each one."""
     start = time.perf_counter()
     kind, path = resolve_source(model)
     tokenizer_source = tokenizer  # the name `tokenizer` is reused below for the loaded one
@@ -361,14 +364,14 @@ def load_model(
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
         params, hf_config, tokenizer, from_cache = _load_gguf(path, dtype, cache_dir, use_param_cache,
-                                                              tensor_parallel_size)
+                                                              tensor_parallel_size, enable_expert_parallel)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     else:
         hf_config = _read_hf_config(path)
         generation_config = _read_generation_config(path)
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
-        tp = _tensor_parallel(cfg, tensor_parallel_size)
+        tp = _tensor_parallel(cfg, tensor_parallel_size, enable_expert_parallel)
         ckpt = _as_laid_out(SafetensorsCheckpoint(path), arch)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
         params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}", None if tp is None else tp.place)
@@ -393,7 +396,7 @@ def load_model(
         logger.info("MoE: %d experts on %d of %d layers, %d routed per token: %s params in all (every expert "
                     "counted in the memory plan), %s active per token", cfg.num_experts, len(cfg.moe_layers),
                     cfg.num_layers, cfg.num_experts_per_tok, _count(n_params), _count(active))
-    tp = _tensor_parallel(cfg, tensor_parallel_size)  # again: the config now has generation_config's EOS
+    tp = _tensor_parallel(cfg, tensor_parallel_size, enable_expert_parallel)  # again: cfg has the file's EOS now
     if tp is not None:
         logger.info("%s", tp.describe(param_bytes(arch.abstract_params(cfg, np_dtype)), _device_bytes(params)))
     return LoadedModel(

@@ -162,12 +162,18 @@ def experts_forward(
     layer: Int[Array, ""] | None = None,
     skip_empty_tiles: bool = True,
     out_dtype: Any = None,
+    first_expert: Int[Array, ""] | int = 0,
 ) -> Float[Array, "T H"]:
     """Sum over each token's k experts of weight * expert(x), running only those experts; combined
-    in float32 and returned in `out_dtype` (default: x's)."""
+    in float32 and returned in `out_dtype` (default: x's). Under expert parallelism `up_w` and
+    `down_w` hold experts `first_expert ..` only: pairs routed elsewhere sort past every local
+    group, are in no tile, and add nothing here (their device adds them)."""
     num_tokens, top_k = experts.shape
     num_experts = up_w.shape[-3]
     flat = experts.reshape(-1)
+    if not (isinstance(first_expert, int) and first_expert == 0):
+        flat = flat - first_expert
+        flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # bincount below drops these
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     plan = plan_tiles(sizes, flat.shape[0], tile_rows_for(flat.shape[0], num_experts))
@@ -201,16 +207,20 @@ def moe_mlp(
     act: str,
     skip_empty_tiles: bool = True,
     reduce: Reduce | None = None,
+    expert_axis: str | None = None,
 ) -> Float[Array, "T H"]:
     """One MoE layer (`layer` indexes the stacked `p`): routed experts, plus Qwen2-MoE's shared
     expert scaled by sigmoid(x @ shared_gate) when the model has one. Under tensor parallelism
     every device routes alike (the router is replicated) and runs its slice of each expert's
-    width; `reduce` sums the float32 partial outputs once, after the combine."""
+    width (or, with `expert_axis`, its own whole experts); `reduce` sums the float32 partial outputs
+    once, after the combine."""
     weights, experts = route(x, take_layer(p.router_w, layer), top_k, renormalize)
     if weights_in_dtype:  # Qwen rounds the weights to the model dtype; Mixtral keeps float32
         weights = weights.astype(x.dtype)
+    first = 0 if expert_axis is None else jax.lax.axis_index(expert_axis) * p.experts_up_w.shape[-3]
     out = experts_forward(x, weights, experts, p.experts_up_w, p.experts_down_w, act=act, layer=layer,
-                          skip_empty_tiles=skip_empty_tiles, out_dtype=None if reduce is None else jnp.float32)
+                          skip_empty_tiles=skip_empty_tiles, out_dtype=None if reduce is None else jnp.float32,
+                          first_expert=first)
     if p.shared_up_w is not None:
         up, down, gate = take_layer((p.shared_up_w, p.shared_down_w, p.shared_gate_w), layer)
         out = out + jax.nn.sigmoid(dense(x, gate)) * mlp(x, up, None, down, None, act=act, gated=True)

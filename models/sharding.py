@@ -38,9 +38,11 @@ class ShardRule:
     fused: str | None = None
 
 
-def shard_rules(cfg: ModelConfig, vocab_parallel: bool) -> dict[str, ShardRule]:
+def shard_rules(cfg: ModelConfig, vocab_parallel: bool, expert_parallel: bool = False) -> dict[str, ShardRule]:
     """Params field path (as `field_paths` names it) -> how it is split; fields not named are
-    replicated (norms, q/k norms, output biases, the router and the shared-expert gate)."""
+    replicated (norms, q/k norms, output biases, the router and the shared-expert gate). With
+    `expert_parallel`, routed experts are placed whole, `num_experts / size` per device, instead of
+    every expert being split by width (the shared expert is still split by width)."""
     gated = "gated" if cfg.gated_mlp else None
     rules = {
         "layers.qkv_w": ShardRule(2, "qkv"), "layers.qkv_b": ShardRule(1, "qkv"),
@@ -51,6 +53,8 @@ def shard_rules(cfg: ModelConfig, vocab_parallel: bool) -> dict[str, ShardRule]:
         "moe.experts_up_w": ShardRule(3, "gated"), "moe.experts_down_w": ShardRule(2),
         "moe.shared_up_w": ShardRule(2, "gated"), "moe.shared_down_w": ShardRule(1),
     }
+    if expert_parallel:
+        rules |= {"moe.experts_up_w": ShardRule(1), "moe.experts_down_w": ShardRule(1)}  # [L, E, in, out]
     if vocab_parallel:
         rules |= {"embed": ShardRule(0), "lm_head": ShardRule(1)}
     return rules
@@ -61,38 +65,65 @@ def field_paths(tree: Any) -> list[str]:
     return [".".join(str(getattr(k, "name", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def _widths(cfg: ModelConfig) -> dict[str, int]:
-    return {"intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-            "shared_expert_size": cfg.shared_expert_size}
+def _widths(cfg: ModelConfig, expert_parallel: bool = False) -> dict[str, int]:
+    """The MLP widths split over the devices."""
+    widths = {"intermediate_size": cfg.intermediate_size, "shared_expert_size": cfg.shared_expert_size}
+    return widths if expert_parallel else widths | {"moe_intermediate_size": cfg.moe_intermediate_size}
 
 
-def size_problems(cfg: ModelConfig, size: int) -> list[str]:
+def size_problems(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> list[str]:
     """Why `size` devices cannot split this model (empty when they can)."""
     problems = []
+    if expert_parallel and not cfg.num_experts:
+        problems.append("expert parallelism needs a mixture-of-experts model")
+    elif expert_parallel and cfg.num_experts % size:
+        problems.append(f"{cfg.num_experts} experts do not divide into {size}")
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads do not divide into {size}")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads neither divide into {size} nor {size} into them")
-    problems += [f"{name}={width} does not divide into {size}" for name, width in _widths(cfg).items()
+    problems += [f"{name}={width} does not divide into {size}" for name, width in _widths(cfg, expert_parallel).items()
                  if width and width % size]
     return problems
 
 
-def valid_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
-    return [n for n in range(1, limit + 1) if not size_problems(cfg, n)]
+def valid_sizes(cfg: ModelConfig, limit: int = 64, expert_parallel: bool = False) -> list[int]:
+    return [n for n in range(1, limit + 1) if not size_problems(cfg, n, expert_parallel)]
 
 
-def split_config(cfg: ModelConfig, size: int) -> tuple[ModelConfig, bool]:
-    """(one device's share of the model, whether the vocabulary is split) for a size that
-    `size_problems` accepts. Needs no devices: memory planning and benchmarks/tp_memory.py use it
-    with abstract params."""
+def split_config(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> tuple[ModelConfig, bool]:
+    """(the config the decoder runs on each device, whether the vocabulary is split) for a size
+    that `size_problems` accepts. Under expert parallelism it keeps every expert (the router
+    scores all of them; each device learns which are its own from its weights' shape)."""
     vocab_parallel = cfg.vocab_size % size == 0
     local = cfg.replace(
         num_heads=cfg.num_heads // size, num_kv_heads=max(cfg.num_kv_heads, size) // size,
         vocab_size=cfg.vocab_size // size if vocab_parallel else cfg.vocab_size,
-        **{name: width // size for name, width in _widths(cfg).items() if width},
+        **{name: width // size for name, width in _widths(cfg, expert_parallel).items() if width},
     )
     return local, vocab_parallel
+
+
+def stored_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The model as the mesh stores it: KV heads repeated up to one per device when fewer."""
+    return cfg.replace(num_kv_heads=max(cfg.num_kv_heads, size))
+
+
+def device_share(cfg: ModelConfig, size: int, abstract_params: Callable[[ModelConfig], Any],
+                 expert_parallel: bool = False) -> Any:
+    """One device's params as ShapeDtypeStructs (`abstract_params(cfg)` gives a config's whole
+    params): what memory planning and benchmarks/tp_memory.py count, with no device needed."""
+    rules = shard_rules(cfg, cfg.vocab_size % size == 0, expert_parallel)
+    stored = abstract_params(stored_config(cfg, size))
+    leaves, treedef = jax.tree_util.tree_flatten(stored)
+    out = []
+    for path, leaf in zip(field_paths(stored), leaves):
+        rule = rules.get(path)
+        shape = list(leaf.shape)
+        if rule is not None:
+            shape[rule.axis] //= size
+        out.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 @dataclass(frozen=True)
@@ -104,6 +135,7 @@ class TensorParallel:
     cfg: ModelConfig  # the whole model
     local: ModelConfig = field(compare=False)  # one device's share: what the decoder sees in shard_map
     vocab_parallel: bool = True
+    expert_parallel: bool = False  # routed experts placed whole per device rather than split by width
 
     @property
     def size(self) -> int:
@@ -119,12 +151,13 @@ class TensorParallel:
         return max(1, self.size // self.cfg.num_kv_heads)
 
     @classmethod
-    def create(cls, cfg: ModelConfig, size: int, devices: list[Any] | None = None) -> "TensorParallel":
+    def create(cls, cfg: ModelConfig, size: int, devices: list[Any] | None = None,
+               expert_parallel: bool = False) -> "TensorParallel":
         """Split `cfg` over the first `size` devices; ValueError naming the valid sizes otherwise."""
         devices = list(jax.devices() if devices is None else devices)
-        problems = size_problems(cfg, size)
+        problems = size_problems(cfg, size, expert_parallel)
         if problems:
-            fitting = [n for n in valid_sizes(cfg) if n <= max(len(devices), 8)]
+            fitting = [n for n in valid_sizes(cfg, expert_parallel=expert_parallel) if n <= max(len(devices), 8)]
             raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}. Valid "
                              f"sizes for it: {', '.join(map(str, fitting))}")
         if size > len(devices):
@@ -133,14 +166,14 @@ class TensorParallel:
                     "to simulate devices)") if kind == "cpu" else ""
             raise ValueError(f"tensor_parallel_size={size} needs {size} devices but {len(devices)} {kind} "
                              f"device(s) are visible{hint}")
-        local, vocab_parallel = split_config(cfg, size)
+        local, vocab_parallel = split_config(cfg, size, expert_parallel)
         return cls(mesh=Mesh(np.asarray(devices[:size]), (TP_AXIS,)), cfg=cfg, local=local,
-                   vocab_parallel=vocab_parallel)
+                   vocab_parallel=vocab_parallel, expert_parallel=expert_parallel)
 
     # ---- params -------------------------------------------------------------------------------
 
     def rule(self, path: str) -> ShardRule | None:
-        return shard_rules(self.cfg, self.vocab_parallel).get(path)
+        return shard_rules(self.cfg, self.vocab_parallel, self.expert_parallel).get(path)
 
     def spec(self, path: str, ndim: int) -> P:
         rule = self.rule(path)
@@ -186,16 +219,14 @@ class TensorParallel:
         array = self.reorder(path, np.asarray(array))
         return jax.device_put(array, NamedSharding(self.mesh, self.spec(path, array.ndim)))
 
-    def abstract_params(self, local_abstract: Any) -> Any:
-        """Whole-mesh ShapeDtypeStructs (with their shardings) from one device's abstract params."""
-        leaves, treedef = jax.tree_util.tree_flatten(local_abstract)
-        out = []
-        for path, leaf in zip(field_paths(local_abstract), leaves):
-            spec = self.spec(path, leaf.ndim)
-            shape = tuple(s * self.size if name == TP_AXIS else s for s, name in zip(leaf.shape, tuple(spec) +
-                                                                                        (None,) * leaf.ndim))
-            out.append(jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=NamedSharding(self.mesh, spec)))
-        return jax.tree_util.tree_unflatten(treedef, out)
+    def abstract_params(self, abstract_params: Callable[[ModelConfig], Any]) -> Any:
+        """The whole mesh's params as ShapeDtypeStructs with their shardings (`abstract_params(cfg)`
+        gives a config's whole params), for lowering the step without weights."""
+        stored = abstract_params(stored_config(self.cfg, self.size))
+        leaves, treedef = jax.tree_util.tree_flatten(stored)
+        return jax.tree_util.tree_unflatten(treedef, [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, self.spec(path, leaf.ndim)))
+            for path, leaf in zip(field_paths(stored), leaves)])
 
     # ---- KV cache and the sharded step --------------------------------------------------------
 
@@ -225,12 +256,15 @@ class TensorParallel:
               f"each of the {self.cfg.num_kv_heads} KV head(s) repeated on {self.kv_replicas} devices")
         vocab = (f"vocabulary split {self.local.vocab_size} per device" if self.vocab_parallel else
                  f"embedding and LM head replicated ({self.cfg.vocab_size} tokens do not divide into {self.size})")
+        experts = (f"; experts placed whole, {self.cfg.num_experts // self.size} of {self.cfg.num_experts} per device"
+                   if self.expert_parallel else "")
         return (f"tensor parallel over {self.size} devices ({devices}): {self.local.num_heads} of "
-                f"{self.cfg.num_heads} query heads and {kv}; MLP width {self._width_line()}; {vocab}; weights "
+                f"{self.cfg.num_heads} query heads and {kv}; MLP width {self._width_line()}{experts}; {vocab}; weights "
                 f"{local_weight_bytes / 2**30:.3f} GiB per device of {weight_bytes / 2**30:.3f} GiB in all")
 
     def _width_line(self) -> str:
-        parts = [f"{getattr(self.local, name)} of {w}" for name, w in _widths(self.cfg).items() if w]
+        parts = [f"{getattr(self.local, name)} of {w}" for name, w in _widths(self.cfg, self.expert_parallel).items()
+                 if w]
         return ", ".join(parts) if parts else "-"
 
 

@@ -196,6 +196,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                      help="local devices to split the model over (Megatron tensor parallelism); the attention "
                           "heads, KV heads (or the devices, when heads are fewer) and MLP widths must divide by it")
+    eng.add_argument("--enable-expert-parallel", action="store_true",
+                     help="MoE models: place whole routed experts on the tensor-parallel devices (num_experts / "
+                          "tensor-parallel-size each) instead of splitting every expert's width")
     eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
     _add_attention_backend(eng)
     _add_model_source_flags(eng, defaults_in_help=True)
@@ -274,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weight and activation dtype (default: auto = the checkpoint's; float32 for GGUF)")
     gen.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                      help="tokens per KV-cache block (default 16)")
+    gen.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                     help="local devices to split the model over (default 1)")
     _add_attention_backend(gen)
     _add_model_source_flags(gen, defaults_in_help=False)
     gen.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -291,7 +296,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
                     attention_backend=args.attention_backend, tokenizer=args.tokenizer,
                     generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
-                    max_num_seqs=1, warmup=False, log_stats_interval=0)
+                    tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1, warmup=False,
+                    log_stats_interval=0)
     if engine.tokenizer is None:
         raise ValueError(f"{engine.model.source} has no tokenizer, so text prompts cannot be encoded")
     prompt: str | list[int] = args.prompt

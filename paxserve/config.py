@@ -37,6 +37,7 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "auto"
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts per device instead of each split by width
     compilation_cache_dir: str | None = None  # None: <cache dir>/xla; "" disables the persistent cache
     warmup: bool = True  # compile the decode buckets at start-up instead of on first use
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
@@ -76,6 +77,9 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise _bad("tensor_parallel_size", self.tensor_parallel_size,
                        "must be an integer >= 1 (the model's heads and widths must divide by it; checked at start)")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise _bad("enable_expert_parallel", self.enable_expert_parallel,
+                       "places experts over the tensor-parallel devices, so it needs tensor_parallel_size > 1")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise _bad("seed", self.seed, "must be an integer >= 0")
         if self.log_stats_interval < 0:

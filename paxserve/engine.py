@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from models.loader import cache_root, inspect_model, load_model
 from models.registry import get_architecture
-from models.sharding import TensorParallel, param_bytes
+from models.sharding import TensorParallel, device_share, param_bytes
 from paxserve.batch import SeqChunk, next_power_of_2
 from paxserve.config import EngineConfig
 from paxserve.engine_core import EngineCore
@@ -81,12 +81,14 @@ class Engine:
         info = inspect_model(model, config.dtype)
         arch = get_architecture(info.config.architecture)
         # Checked before anything loads: a size the model cannot split fails naming the valid ones.
-        tp = TensorParallel.create(info.config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 \
-            else None
+        tp = TensorParallel.create(info.config, config.tensor_parallel_size,
+                                   expert_parallel=config.enable_expert_parallel) \
+            if config.tensor_parallel_size > 1 else None
         # Memory is planned per device, from one device's share of the model (its heads, its slice of
         # every width, its KV heads): the host side then sees one cache of num_blocks blocks.
         local_cfg = info.config if tp is None else tp.local
-        weight_bytes = info.weight_bytes if tp is None else param_bytes(arch.abstract_params(local_cfg, info.dtype))
+        weight_bytes = info.weight_bytes if tp is None else param_bytes(device_share(
+            info.config, tp.size, lambda c: arch.abstract_params(c, info.dtype), tp.expert_parallel))
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, jax.devices()[0].platform, num_heads=local_cfg.num_heads,
             num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
@@ -111,7 +113,8 @@ class Engine:
         self.plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes,
                                   activation_bytes, num_devices=1 if tp is None else tp.size)
         self.model = load_model(model, config.dtype, tokenizer=config.tokenizer,
-                                tensor_parallel_size=config.tensor_parallel_size)
+                                tensor_parallel_size=config.tensor_parallel_size,
+                                enable_expert_parallel=config.enable_expert_parallel)
         # vLLM's --generation-config: defaults for the sampling fields a request leaves unset.
         self.sampling_defaults, defaults_line = file_defaults or resolve_sampling_defaults(
             config.generation_config, self.model.generation_config, self.model.source)

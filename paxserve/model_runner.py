@@ -184,7 +184,7 @@ def measure_activation_bytes(
     kv = KVCache(k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding),
                  v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding))
     params = architecture.abstract_params(cfg, dtype) if tp is None else \
-        tp.abstract_params(architecture.abstract_params(tp.local, dtype))
+        tp.abstract_params(lambda c: architecture.abstract_params(c, dtype))
     chunk = SeqChunk([0], 0, [1])
     batch = build_batch([chunk], block_size, pad_tokens_to=num_tokens, pad_seqs_to=num_seqs,
                         pad_blocks_to=max_blocks_per_seq)

@@ -79,7 +79,10 @@ _MODELS: dict[str, tuple[Any, Path]] = {}
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, str]:
-    name = request.param
+    return _checkpoint(request.param, tmp_path_factory)
+
+
+def _checkpoint(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, str]:
     if name not in _MODELS:
         directory = tmp_path_factory.mktemp(f"tp-{name}")
         if name == "llama-gqa":
@@ -128,3 +131,26 @@ def test_greedy_tokens_at_tp_2_and_4_equal_tp_1_and_transformers(family, report)
         worst = max(rel_error(a, b)[1] for la, lb in zip(logits, logits_1) for a, b in zip(la, lb))
         assert worst < 1e-5
         report(f"{name} TP {size}: greedy tokens equal TP 1 and transformers, max relative logit error {worst:.1e}")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_expert_parallel_places_whole_experts_and_keeps_the_tokens(
+    name: str, tmp_path_factory: pytest.TempPathFactory, report
+) -> None:
+    hf, directory, _ = _checkpoint(name, tmp_path_factory)
+    prompts = prompts_for(3, [6, 19])
+    want = [hf_greedy(hf, p, STEPS) for p in prompts]
+    for size in (2, 4):
+        model = load_model(directory, tensor_parallel_size=size, enable_expert_parallel=True)
+        up = model.params.moe.experts_up_w
+        experts = model.config.num_experts
+        # each device holds num_experts / size experts at their full width
+        assert up.addressable_shards[0].data.shape[1:] == (experts // size, model.config.hidden_size,
+                                                            2 * model.config.moe_intermediate_size)
+        runner = ModelRunner(model, num_blocks=32, block_size=16, max_model_len=128)
+        tokens, logits = greedy_tokens_and_logits(runner, prompts, STEPS, shuffle_seed=size)
+        assert tokens == [w[0] for w in want]
+        worst = max(rel_error(a, b)[1] for (_, hf_steps), ours in zip(want, logits) for a, b in zip(ours, hf_steps))
+        assert worst < 1e-4
+        report(f"{name} expert-parallel TP {size}: {experts // size} experts per device, transformers' tokens, "
+               f"max relative logit error {worst:.1e}")

@@ -274,7 +274,7 @@ def test_signal_ends_in_flight_streams_and_exits_cleanly(sig: int) -> None:
 SERVE_FLAGS = ["--model", "--host", "--port", "--served-model-name", "--api-key", "--dtype", "--max-model-len",
                "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--block-size",
                "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
-               "--tensor-parallel-size", "--seed", "--chat-template", "--max-logprobs", "--max-num-queued-reqs",
+               "--tensor-parallel-size", "--enable-expert-parallel", "--seed", "--chat-template", "--max-logprobs", "--max-num-queued-reqs",
                "--disable-log-stats", "--log-level", "--warmup", "--no-warmup", "--shutdown-timeout",
                "--trust-request-chat-template", "--max-stop-strings", "--timeout-keep-alive", "--http-header-timeout",
                "--http-body-timeout"]
