@@ -49,6 +49,20 @@ def smollm2_tokenizer():
     return tokenizer_from_gguf(GGUFCheckpoint(default_model_path()))
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own SmolLM2 from the bundled GGUF and its tokenizer (dequantizing takes seconds:
+    once per run, for the model tests that compare against it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.bundled import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
     if REPORT:
         terminalreporter.section("paxserve figures")

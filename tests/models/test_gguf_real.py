@@ -59,10 +59,14 @@ def one_metadata_parse() -> Iterator[None]:
 @pytest.fixture(scope="module", params=sorted(FILES))
 def case(request: pytest.FixtureRequest, one_metadata_parse: None) -> dict[str, Any]:
     path = FILES[request.param]()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    if request.param == "smollm2":  # the run's one copy (tests/conftest.py)
+        hf, hf_tokenizer = request.getfixturevalue("hf_smollm2")
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ckpt = GGUFCheckpoint(path)
     return dict(name=request.param, path=path, ckpt=ckpt, hf=hf, tokenizer=tokenizer_from_gguf(ckpt),
-                hf_tokenizer=AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+                hf_tokenizer=hf_tokenizer)
 
 
 def test_hf_config_equals_transformers(case: dict[str, Any]) -> None:

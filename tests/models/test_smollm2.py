@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from models import LoadedModel, load_model
 from models.bundled import default_model_path
@@ -53,11 +53,8 @@ def ours(loads: dict[str, Any]) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf() -> tuple[Any, Any]:
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tokenizer
+def hf(hf_smollm2: tuple[Any, Any]) -> tuple[Any, Any]:
+    return hf_smollm2
 
 
 def test_default_model_resolves_to_bundled_smollm2(loads: dict[str, Any], report) -> None:

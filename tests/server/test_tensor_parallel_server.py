@@ -1,6 +1,6 @@
 """A real `paxserve serve --tensor-parallel-size 2` (on two of the four simulated CPU devices the
-test process starts, see tests/conftest.py) driven by the openai client: streaming, n > 1 and
-seeds give what the single-device engine gives for the same requests."""
+test process starts, see tests/conftest.py) driven by the openai client: streaming, n > 1, seeds,
+every sampler feature and logprobs give what the single-device engine gives for the same requests."""
 
 from __future__ import annotations
 
@@ -27,7 +27,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_serve_tensor_parallel_2_streams_seeded_n_2_as_one_device_would(model_dir: Path) -> None:
     single = Engine(str(model_dir), **ENGINE_ARGS)
-    sampled = SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=8, ignore_eos=True)
+    # Every sampler feature at once, on the gathered full-vocabulary logits every device samples alike.
+    sampled = SamplingParams(n=2, seed=5, temperature=1.0, top_p=0.95, top_k=100, min_p=0.01, repetition_penalty=1.2,
+                             presence_penalty=0.3, frequency_penalty=0.1, logit_bias={65: 3.0}, max_tokens=8,
+                             ignore_eos=True)
     want_chat = [s.text for s in single.chat(MESSAGES, sampled, use_tqdm=False)[0].outputs]
     greedy = single.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0]
@@ -39,8 +42,9 @@ def test_serve_tensor_parallel_2_streams_seeded_n_2_as_one_device_would(model_di
         log = srv.stderr_text()
         assert "tensor parallel over 2 devices" in log and "on each of 2 devices" in log, log
         client = srv.client()
-        request = dict(model=str(model_dir), messages=MESSAGES, n=2, seed=5, temperature=1.0, max_tokens=8,
-                       extra_body={"ignore_eos": True})
+        request = dict(model=str(model_dir), messages=MESSAGES, n=2, seed=5, temperature=1.0, top_p=0.95,
+                       presence_penalty=0.3, frequency_penalty=0.1, logit_bias={"65": 3.0}, max_tokens=8,
+                       extra_body={"ignore_eos": True, "top_k": 100, "min_p": 0.01, "repetition_penalty": 1.2})
         streamed = ["", ""]
         finish = [None, None]
         for chunk in client.chat.completions.create(**request, stream=True):
