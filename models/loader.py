@@ -27,7 +27,7 @@ from models.config import ModelConfig, model_config_from_hf
 from models.gguf_io import GGUFCheckpoint
 from models.registry import Architecture, get_architecture
 from models.safetensors_io import SafetensorsCheckpoint
-from models.sharding import TensorParallel, field_paths, param_bytes
+from models.sharding import TensorParallel, map_fields, param_bytes
 from models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -201,13 +201,13 @@ def _device_bytes(params: Any) -> int:
 
 def _place_all(params: Any, tp: TensorParallel) -> Any:
     """Params already assembled (a GGUF conversion or its cache) onto the mesh, field by field."""
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    placed = []
-    for path, leaf in zip(field_paths(params), leaves):
-        placed.append(tp.place(path, np.asarray(leaf)))
+    def place(path: str, leaf: Any) -> jax.Array:
+        placed = tp.place(path, np.asarray(leaf))
         if isinstance(leaf, jax.Array):
             leaf.delete()  # one field on the default device at a time
-    return jax.tree_util.tree_unflatten(treedef, placed)
+        return placed
+
+    return map_fields(place, params)
 
 
 class _RenamedCheckpoint:
@@ -249,9 +249,10 @@ def _model_spec(hf_config: dict[str, Any], dtype: str, kind: str) -> tuple[Model
 def _load_gguf(
     path: Path, dtype: str, cache_dir: str | os.PathLike | None, use_cache: bool, tp_size: int = 1,
     expert_parallel: bool = False,
-) -> tuple[Any, dict[str, Any], Any, bool]:
+) -> tuple[Any, dict[str, Any], Any, bool, TensorParallel | None]:
     """Dequantising a GGUF is slow, so its converted params, config and tokenizer are cached on disk
-    (in the whole model's layout, whatever the tensor parallelism: they are split afterwards)."""
+    (in the whole model's layout, whatever the tensor parallelism: they are split afterwards).
+    Returns (params, hf_config, tokenizer, from_cache, the split or None)."""
     def abstract_of(hf_config: dict[str, Any]) -> Any:
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
         return arch.abstract_params(cfg, np_dtype)
@@ -262,7 +263,7 @@ def _load_gguf(
         if cached is not None:
             params, hf_config, tokenizer = cached
             tp = _tensor_parallel(_model_spec(hf_config, dtype, "gguf")[0], tp_size, expert_parallel)
-            return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, True
+            return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, True, tp
     gguf_file = GGUFCheckpoint(path)
     hf_config = gguf_file.hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
@@ -273,7 +274,7 @@ def _load_gguf(
     tokenizer = tokenizer_from_gguf(gguf_file)
     if use_cache:
         _save_cached(entry, params, hf_config, tokenizer)
-    return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False
+    return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,14 +364,17 @@ def load_model(
     tokenizer_override = _tokenizer_from_path(tokenizer_source) if tokenizer_source is not None else None
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
-        params, hf_config, tokenizer, from_cache = _load_gguf(path, dtype, cache_dir, use_param_cache,
-                                                              tensor_parallel_size, enable_expert_parallel)
+        params, hf_config, tokenizer, from_cache, tp = _load_gguf(path, dtype, cache_dir, use_param_cache,
+                                                                  tensor_parallel_size, enable_expert_parallel)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     else:
         hf_config = _read_hf_config(path)
         generation_config = _read_generation_config(path)
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+        eos = generation_config.get("eos_token_id")
+        if isinstance(eos, (int, list)):
+            cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
         tp = _tensor_parallel(cfg, tensor_parallel_size, enable_expert_parallel)
         ckpt = _as_laid_out(SafetensorsCheckpoint(path), arch)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
@@ -380,9 +384,6 @@ def load_model(
     if tokenizer_override is not None:
         _check_tokenizer_vocab(tokenizer_override, cfg.vocab_size, str(tokenizer_source))
         tokenizer = tokenizer_override
-    eos = generation_config.get("eos_token_id")
-    if isinstance(eos, (int, list)):
-        cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
     params = jax.block_until_ready(params)
     seconds = time.perf_counter() - start
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -396,7 +397,6 @@ def load_model(
         logger.info("MoE: %d experts on %d of %d layers, %d routed per token: %s params in all (every expert "
                     "counted in the memory plan), %s active per token", cfg.num_experts, len(cfg.moe_layers),
                     cfg.num_layers, cfg.num_experts_per_tok, _count(n_params), _count(active))
-    tp = _tensor_parallel(cfg, tensor_parallel_size, enable_expert_parallel)  # again: cfg has the file's EOS now
     if tp is not None:
         logger.info("%s", tp.describe(param_bytes(arch.abstract_params(cfg, np_dtype)), _device_bytes(params)))
     return LoadedModel(

@@ -65,6 +65,12 @@ def field_paths(tree: Any) -> list[str]:
     return [".".join(str(getattr(k, "name", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
+def map_fields(fn: Callable[[str, Any], Any], tree: Any) -> Any:
+    """`tree` with each leaf replaced by `fn(its field path, leaf)`, one leaf at a time."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, [fn(path, leaf) for path, leaf in zip(field_paths(tree), leaves)])
+
+
 def _widths(cfg: ModelConfig, expert_parallel: bool = False) -> dict[str, int]:
     """The MLP widths split over the devices."""
     widths = {"intermediate_size": cfg.intermediate_size, "shared_expert_size": cfg.shared_expert_size}
@@ -114,16 +120,14 @@ def device_share(cfg: ModelConfig, size: int, abstract_params: Callable[[ModelCo
     """One device's params as ShapeDtypeStructs (`abstract_params(cfg)` gives a config's whole
     params): what memory planning and benchmarks/tp_memory.py count, with no device needed."""
     rules = shard_rules(cfg, cfg.vocab_size % size == 0, expert_parallel)
-    stored = abstract_params(stored_config(cfg, size))
-    leaves, treedef = jax.tree_util.tree_flatten(stored)
-    out = []
-    for path, leaf in zip(field_paths(stored), leaves):
-        rule = rules.get(path)
-        shape = list(leaf.shape)
+
+    def share(path: str, leaf: Any) -> jax.ShapeDtypeStruct:
+        rule, shape = rules.get(path), list(leaf.shape)
         if rule is not None:
             shape[rule.axis] //= size
-        out.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+
+    return map_fields(share, abstract_params(stored_config(cfg, size)))
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,11 @@ class TensorParallel:
     @property
     def axis(self) -> str:
         return TP_AXIS
+
+    @property
+    def num_kv_heads_stored(self) -> int:
+        """KV heads of the whole mesh's cache and K/V projections (the model's, or one per device)."""
+        return stored_config(self.cfg, self.size).num_kv_heads
 
     @property
     def kv_replicas(self) -> int:
@@ -183,9 +192,7 @@ class TensorParallel:
 
     def param_specs(self, params: Any) -> Any:
         """A pytree of PartitionSpecs matching `params` (arrays or ShapeDtypeStructs)."""
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        return jax.tree_util.tree_unflatten(
-            treedef, [self.spec(path, leaf.ndim) for path, leaf in zip(field_paths(params), leaves)])
+        return map_fields(lambda path, leaf: self.spec(path, leaf.ndim), params)
 
     def reorder(self, path: str, array: np.ndarray) -> np.ndarray:
         """The field as this split stores it: fused axes regrouped per device, KV heads repeated
@@ -222,11 +229,9 @@ class TensorParallel:
     def abstract_params(self, abstract_params: Callable[[ModelConfig], Any]) -> Any:
         """The whole mesh's params as ShapeDtypeStructs with their shardings (`abstract_params(cfg)`
         gives a config's whole params), for lowering the step without weights."""
-        stored = abstract_params(stored_config(self.cfg, self.size))
-        leaves, treedef = jax.tree_util.tree_flatten(stored)
-        return jax.tree_util.tree_unflatten(treedef, [
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, self.spec(path, leaf.ndim)))
-            for path, leaf in zip(field_paths(stored), leaves)])
+        return map_fields(lambda path, leaf: jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, self.spec(path, leaf.ndim))),
+            abstract_params(stored_config(self.cfg, self.size)))
 
     # ---- KV cache and the sharded step --------------------------------------------------------
 

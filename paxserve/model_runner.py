@@ -95,7 +95,7 @@ class ModelRunner:
             return KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                                  jnp.dtype(self.model.dtype))
         # Made in place on the mesh (each device zeroes only its KV heads), never whole on one device.
-        heads = tp.local.num_kv_heads * tp.size
+        heads = tp.num_kv_heads_stored
         make = lambda: KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, heads,  # noqa: E731
                                      cfg.head_dim, jnp.dtype(self.model.dtype))
         return jax.jit(make, out_shardings=KVCache(k=tp.kv_sharding, v=tp.kv_sharding))()
@@ -178,7 +178,7 @@ def measure_activation_bytes(
 
     cfg = model_cfg
     num_tokens, num_seqs = next_power_of_2(max_tokens), next_power_of_2(max_seqs)
-    kv_heads = cfg.num_kv_heads if tp is None else tp.local.num_kv_heads * tp.size
+    kv_heads = cfg.num_kv_heads if tp is None else tp.num_kv_heads_stored
     kv_shape = (cfg.num_layers, 2, block_size, kv_heads, cfg.head_dim)
     kv_sharding = None if tp is None else tp.kv_sharding
     kv = KVCache(k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding),
