@@ -55,7 +55,8 @@ class EngineCore:
             Request(request_id=request.sample_id(i), prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params, max_tokens=request.max_tokens,
                     eos_token_ids=request.eos_token_ids, seed=request.seeds[i], arrival_time=request.arrival_time,
-                    parent_id=request.request_id, sample_index=i, cache_salt=request.cache_salt)
+                    parent_id=request.request_id, sample_index=i, cache_salt=request.cache_salt,
+                    matcher=None if request.grammar is None else request.grammar.new_matcher())
             for i in range(request.sampling_params.n)
         ]
         added: list[Request] = []
@@ -135,8 +136,11 @@ class EngineCore:
             for s in out.scheduled
         ]
         batch = self.runner.build(chunks)
+        # A matcher fills its bitmask row only where the step samples a token that is kept.
         rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
-                            s.request.seed, s.request.eos_token_ids) for s in out.scheduled]
+                            s.request.seed, s.request.eos_token_ids,
+                            matcher=s.request.matcher if s.request.num_computed_tokens + s.num_new_tokens
+                            == s.request.num_tokens else None) for s in out.scheduled]
         return self.runner.execute(batch, build_sampling_inputs(rows, batch.context_lens.shape[0], self.vocab_size))
 
     def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool) -> SampleOutput:
@@ -150,6 +154,7 @@ class EngineCore:
             request.parent_id or request.request_id, request.sample_index, [request.output_token_ids[-1]], logprobs,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens,
+            error=request.error if finished else None, ended_by_grammar=finished and request.ended_by_grammar,
         )
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[SampleOutput]:

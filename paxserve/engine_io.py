@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,9 @@ class EngineCoreRequest:
     seeds: list[int]  # one generator seed per sample
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # The compiled structured-output constraint (paxserve.grammar.CompiledGrammar): each sample
+    # gets its own matcher from it.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if len(self.seeds) != self.sampling_params.n:
@@ -64,6 +68,8 @@ class SampleOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # what went wrong, in words safe to show a client
+    # "stop" because the structured-output grammar is complete: the last token is text, not an EOS.
+    ended_by_grammar: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,9 @@ import numpy as np
 from paxserve.chat_template import RenderLimits, render_chat_template
 from paxserve.engine_io import EngineCoreRequest
 from paxserve.generation_config import default_sampling_params
+from paxserve.grammar import DEFAULT_COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler, GrammarError
 from paxserve.sampling_params import SamplingParams
+from paxserve.structured_outputs import StructuredOutputsParams
 
 # vLLM's prompt forms: text, token ids, or a dict (TextPrompt / TokensPrompt) that may carry a cache salt.
 Prompt = str | list[int] | Mapping[str, Any]
@@ -50,7 +52,8 @@ def max_token_chars(tokenizer: Any) -> int:
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], max_model_len: int,
                  seed: int, render_limits: RenderLimits | None = None,
-                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
+                 sampling_defaults: Mapping[str, Any] | None = None,
+                 grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -65,6 +68,8 @@ class InputProcessor:
         self.max_prompt_chars = max_model_len * max_token_chars(tokenizer) if tokenizer is not None else 0
         self._seed_lock = threading.Lock()
         self._seed_rng = np.random.default_rng(seed)
+        self.grammar_timeout_s = grammar_timeout_s
+        self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the model's defaults, else paxserve's."""
@@ -107,6 +112,18 @@ class InputProcessor:
         except ValueError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", param="messages") \
                 from None
+
+    def compile_grammar(self, constraint: StructuredOutputsParams,
+                        param: str = "structured_outputs") -> CompiledGrammar:
+        """The request's compiled constraint (cached by constraint). Raises RequestError(param)."""
+        tok = self.require_tokenizer(param)
+        with self._seed_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(tok, self.vocab_size, timeout_s=self.grammar_timeout_s)
+        try:
+            return self._grammars.compile(constraint)
+        except GrammarError as e:
+            raise RequestError(f"{param}: {e}", param=param) from None
 
     # ---- checks --------------------------------------------------------------------------------
 
@@ -160,10 +177,11 @@ class InputProcessor:
             raise RequestError("stop strings need a tokenizer, but this model was loaded without one", param="stop")
         max_tokens = self.resolve_max_tokens(len(ids), params)
         seeds = [self._sample_seed(params.seed, i, params.n) for i in range(params.n)]
+        grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
         return EngineCoreRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, sampling_params=params, max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids, seeds=seeds, cache_salt=cache_salt,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+            grammar=grammar, arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     def _prompt(self, prompt: Prompt, cache_salt: str | None) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, Mapping):

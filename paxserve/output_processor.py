@@ -123,7 +123,7 @@ class OutputProcessor:
                 sample.cumulative_logprob += out.logprobs.logprob
         sample.changed = True
         # A token that ended the sample as EOS or a stop token id is text only when asked (vLLM).
-        ended_by_token = out.finish_reason == RequestStatus.FINISHED_STOPPED.value
+        ended_by_token = out.finish_reason == RequestStatus.FINISHED_STOPPED.value and not out.ended_by_grammar
         text_ids = out.new_token_ids if not ended_by_token or params.include_stop_str_in_output \
             else out.new_token_ids[:-1]
         detok = sample.detokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from paxserve.sampling_params import SamplingParams
 
@@ -51,6 +52,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # Structured outputs: this sample's llguidance matcher, advanced by every output token. It
+    # depends only on the output tokens, so preemption (recompute from the tokens) leaves it valid.
+    matcher: Any = None
+    ended_by_grammar: bool = False  # finished because the grammar is complete (its last token is text)
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -90,12 +96,22 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         params = self.sampling_params
+        matcher = self.matcher
+        if matcher is not None and not matcher.is_stopped() and not matcher.consume_token(token_id):
+            # The step's bitmask allowed only what the grammar accepts, so this is a bug, not the user's.
+            self.error = f"structured output: the grammar rejected a sampled token ({matcher.get_error()[:200]})"
+            return RequestStatus.FINISHED_ERROR
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 self.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        if matcher is not None and matcher.is_stopped():
+            # The grammar takes nothing more (the JSON closed, the choice is made): done now, without
+            # spending a step on the EOS it would force.
+            self.ended_by_grammar = True
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,6 +1,7 @@
 """On-device sampling, run inside the jitted step right after the model's forward.
 
-Order (vLLM's): logit bias, min_tokens suppression, repetition / frequency / presence penalties;
+Order (vLLM's): logit bias, min_tokens suppression, repetition / frequency / presence penalties,
+the structured-output token bitmask;
 greedy rows take the argmax of those processed logits; sampled rows divide by temperature, apply
 top-k, top-p and min-p, then draw with the Gumbel-max trick. The draw's key comes only from the
 row's (seed, step), so a seeded request samples the same tokens whatever shares its batch.
@@ -41,6 +42,7 @@ class SamplingMetadata:
     logit_bias_ids: Int[Array, "S Lb"]
     logit_bias_values: Float[Array, "S Lb"]
     suppress_ids: Int[Array, "S Ls"]
+    allowed_token_bitmask: Int[Array, "S W"]
     all_greedy: bool = struct.field(pytree_node=False)
     use_top_k_top_p: bool = struct.field(pytree_node=False)
     use_penalties: bool = struct.field(pytree_node=False)
@@ -83,6 +85,19 @@ def apply_penalties_and_bias(logits: Float[Array, "S V"], md: SamplingMetadata) 
     _, suppress_ids = _row_ids(jnp.where(active, md.suppress_ids, -1), v)
     logits = logits.at[rows, suppress_ids].set(-jnp.inf, mode="drop")
     return _apply_penalties(logits, md) if md.use_penalties else logits
+
+
+def apply_token_bitmask(processed: Float[Array, "S V"], logits: Float[Array, "S V"],
+                        bitmask: Int[Array, "S W"]) -> Float[Array, "S V"]:
+    """Structured outputs: tokens whose bit is clear become -inf. A free row's words are all ones,
+    so it comes back unchanged. Should the grammar's tokens all be -inf already (min_tokens
+    suppressing the EOS that a finished grammar allows), the grammar wins over the suppression."""
+    v = processed.shape[1]
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :v].astype(bool)
+    masked = jnp.where(allowed, processed, -jnp.inf)
+    stuck = ~jnp.any(masked > -jnp.inf, axis=-1, keepdims=True)
+    return jnp.where(stuck, jnp.where(allowed, logits, -jnp.inf), masked)
 
 
 def apply_top_k_top_p_min_p(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
@@ -132,7 +147,7 @@ def sample(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S
     token id (exact below 2**24), then with `num_logprobs` k > 0 the token's logprob, k top ids
     and their k logprobs. Unpack with `sampling_metadata.unpack`."""
     logits = logits.astype(jnp.float32)
-    processed = apply_penalties_and_bias(logits, md)
+    processed = apply_token_bitmask(apply_penalties_and_bias(logits, md), logits, md.allowed_token_bitmask)
     tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not md.all_greedy:
         sampled_rows = md.temperature > 0

@@ -11,7 +11,9 @@ Static variants (each multiplies the number of compiled programs, so the set sta
 - `use_penalties`: some row has a repetition/presence/frequency penalty.
 - `num_logprobs`: 0 (no row wants logprobs), else the batch max bucketed to 1, 5 or 20.
 
-That is at most 3 x 2 x 4 = 24 combinations per row bucket. Array widths are shapes, hence also
+That is at most 3 x 2 x 4 = 24 combinations per row bucket. Structured outputs add none: every
+step carries a token bitmask ([S, ceil(vocab/32)] packed int32 words, bit t of word t//32 allows
+token t) as runtime data, all ones for free rows, so constrained and free rows share one program. Array widths are shapes, hence also
 compile keys, so they are bucketed too: 1 when unused, else a power of two >= `MIN_WIDTH`. Token
 histories are only filled for rows that use penalties, and suppress ids only for rows still under
 `min_tokens`, so in steady state (no penalties, min_tokens passed) every width is 1.
@@ -20,6 +22,7 @@ histories are only filled for rows that use penalties, and suppress ids only for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +45,8 @@ class SamplingRow:
     output_token_ids: list[int]
     seed: int  # per-sequence generator seed chosen by the engine
     eos_token_ids: tuple[int, ...]
+    # Structured outputs: the llguidance matcher that fills this row's token bitmask (None: free).
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, (int, np.integer)) or not 0 <= int(self.seed) < 2**64:
@@ -69,6 +74,7 @@ class SamplingInputs:
     logit_bias_ids: np.ndarray  # i32 [S, Lb], PAD_ID padded
     logit_bias_values: np.ndarray  # f32 [S, Lb]
     suppress_ids: np.ndarray  # i32 [S, Ls]: ids set to -inf while step < min_tokens
+    allowed_token_bitmask: np.ndarray  # i32 [S, ceil(V/32)]: bit t of word t//32 set = token t allowed
     all_greedy: bool
     use_top_k_top_p: bool
     use_penalties: bool
@@ -83,7 +89,8 @@ class SamplingInputs:
             raise ValueError(f"SamplingInputs.seed must be uint32 [{s}, 2], got {self.seed.dtype} {self.seed.shape}")
         if self.all_greedy and self.use_top_k_top_p:
             raise ValueError("SamplingInputs: all_greedy and use_top_k_top_p exclude each other")
-        for name in ("output_token_ids", "prompt_token_ids", "logit_bias_ids", "logit_bias_values", "suppress_ids"):
+        for name in ("output_token_ids", "prompt_token_ids", "logit_bias_ids", "logit_bias_values", "suppress_ids",
+                     "allowed_token_bitmask"):
             if getattr(self, name).shape[0] != s:
                 raise ValueError(f"SamplingInputs.{name} has {getattr(self, name).shape[0]} rows, expected {s}")
 
@@ -108,6 +115,10 @@ def packed_width(num_logprobs: int) -> int:
     return 1 if num_logprobs == 0 else 2 + 2 * num_logprobs
 
 
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
 def bucket_width(n: int) -> int:
     return 1 if n == 0 else max(MIN_WIDTH, 1 << (n - 1).bit_length())
 
@@ -123,6 +134,12 @@ def _fill(lists: list[list[int]] | list[list[float]], num_rows: int, dtype: type
     for i, values in enumerate(lists):
         out[i, : len(values)] = values
     return out
+
+
+def _fill_bitmask(matcher: Any, bitmask: np.ndarray, row: int) -> None:
+    """Write the tokens `matcher` accepts next into row `row` (llguidance writes the words in place)."""
+    out = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
 
 def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_size: int) -> SamplingInputs:
@@ -143,6 +160,7 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
     step, min_tokens = col(np.int32, 0), col(np.int32, 0)
     presence, frequency, repetition = col(np.float32, 0), col(np.float32, 0), col(np.float32, 1)
     seed = np.zeros((s, 2), np.uint32)
+    bitmask = np.full((s, bitmask_width(vocab_size)), -1, np.int32)
     outputs: list[list[int]] = []
     prompts: list[list[int]] = []
     bias_ids: list[list[int]] = []
@@ -173,6 +191,8 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
         suppress.append(ids)
         if p.logprobs is not None:
             max_logprobs = max(max_logprobs or 0, p.logprobs)
+        if row.matcher is not None:
+            _fill_bitmask(row.matcher, bitmask, i)
     sampled = temperature > 0
     return SamplingInputs(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
@@ -183,6 +203,7 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
         logit_bias_ids=_fill(bias_ids, s, np.int32, PAD_ID),
         logit_bias_values=_fill(bias_values, s, np.float32, 0.0),
         suppress_ids=_fill(suppress, s, np.int32, PAD_ID),
+        allowed_token_bitmask=bitmask,
         all_greedy=not sampled.any(),
         use_top_k_top_p=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
         use_penalties=any(r.params.uses_penalties for r in rows),

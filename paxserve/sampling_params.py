@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from paxserve.structured_outputs import StructuredOutputsParams
+
 # Penalties outside these ranges are rejected, as vLLM and OpenAI do.
 PENALTY_RANGE = (-2.0, 2.0)
 MAX_LOGPROBS = 20
@@ -50,6 +52,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this (a JSON schema, a regex, a choice, a grammar): guided decoding.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -91,6 +95,8 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             _fail("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
         self.stop_strings = tuple(stops)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams (or None)")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
