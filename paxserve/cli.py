@@ -11,6 +11,9 @@ import os
 import sys
 import time
 
+from server.reasoning import REASONING_PARSERS
+from server.tool_parsers import TOOL_PARSERS
+
 DESCRIPTION = "paxserve: a vLLM-class LLM serving engine on JAX (paged KV cache, continuous batching)."
 
 
@@ -163,6 +166,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                           "disconnected)")
     net.add_argument("--http-body-timeout", type=_seconds, default=30.0,
                      help="seconds a request's body has, once its headers are in, to arrive in full (else 408)")
+    tools = serve.add_argument_group("tool calling and reasoning")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='parse the tool calls a model writes on its own (tool_choice "auto", the default with '
+                            "tools); needs --tool-call-parser. Forced calls (\"required\", a named function) are "
+                            "always available: they are guided by the tools' JSON schemas")
+    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the model's tool-call format: hermes (Hermes 2 Pro, Qwen 2.5/3), llama3_json (Llama "
+                            "3.1+), mistral")
+    tools.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="put the <think>...</think> text of reasoning models in the message's `reasoning` "
+                            "field: deepseek_r1 (output starts inside <think>), qwen3")
     net.add_argument("--enable-log-requests", action="store_true", help="log every request's prompt sizes "
                      "and sampling parameters")
     net.add_argument("--disable-log-stats", action="store_true",

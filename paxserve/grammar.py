@@ -128,7 +128,11 @@ class GrammarCompiler:
         import llguidance
 
         start = time.perf_counter()
-        source = grammar_source(params)
+        try:
+            source = grammar_source(params)
+        except ValueError as e:  # llguidance's own parse of the schema (too deep, not JSON)
+            raise GrammarError(f"the {params.kind} constraint is invalid or not supported: {_one_line(str(e))}") \
+                from None
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), source, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {params.kind} constraint is invalid or not supported: "

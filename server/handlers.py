@@ -118,7 +118,7 @@ def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: Comp
     want_logprobs = spec.logprobs is not None and o.logprobs is not None
     if spec.kind == "chat":
         logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs) if want_logprobs else None
-        return R.chat_choice(index, o.text, logprobs, o.finish_reason, o.stop_reason)
+        return R.chat_choice(index, spec.output.message(o.text), logprobs, o.finish_reason, o.stop_reason)
     logprobs = R.completion_logprobs(o.logprobs, o.token_ids, 0) if want_logprobs else None
     text = (prompt.text or "") + o.text if spec.echo else o.text
     return R.completion_choice(index, text, logprobs, o.finish_reason, o.stop_reason)
@@ -136,6 +136,9 @@ class _StreamState:
         self.finished = [False] * num
         self.echo_pending = [spec.echo] * num
         self.cached = [0] * len(run.prompts)
+        # Chat with a reasoning or tool-call parser: each choice's text goes through its own stream.
+        self.parsed = [spec.output.stream() for _ in range(num)] if spec.kind == "chat" and spec.output.active \
+            else None
 
 
 def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
@@ -164,8 +167,17 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
         st.text_sent[idx] += len(text)
         st.finished[idx] = o.finish_reason is not None
         if spec.kind == "chat":
-            choice = R.chat_chunk_choice(idx, {"content": text} if text else {}, logprobs, o.finish_reason,
-                                         o.stop_reason)
+            finish_reason = o.finish_reason
+            if st.parsed is not None:
+                parsed = st.parsed[idx]
+                delta = parsed.feed(text, final=o.finish_reason is not None)
+                if parsed.made_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+                if not delta and logprobs is None and finish_reason is None:
+                    continue  # held back: it may be the start of a tool call or a tag
+            else:
+                delta = {"content": text} if text else {}
+            choice = R.chat_chunk_choice(idx, delta, logprobs, finish_reason, o.stop_reason)
         else:
             choice = R.completion_choice(idx, text, logprobs, o.finish_reason, o.stop_reason)
         chunks.append((idx, choice))

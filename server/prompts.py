@@ -24,11 +24,13 @@ def render_prompts(inputs: Any, spec: GenerationSpec, server_chat_template: str 
     renames = {"max_tokens": spec.max_tokens_param, "prompt": param}
     try:
         spec.params.check_vocab(inputs.vocab_size)
+        if spec.params.structured_outputs is not None:  # compiled here (cached), so a bad schema is a 400
+            inputs.compile_grammar(spec.params.structured_outputs, param=spec.structured_param or "structured_outputs")
         if spec.kind == "chat":
             text = inputs.render_chat(spec.messages, chat_template=spec.chat_template or server_chat_template,
                                       add_generation_prompt=spec.add_generation_prompt,
                                       continue_final_message=spec.continue_final_message,
-                                      template_kwargs=spec.chat_template_kwargs)
+                                      tools=spec.tools, template_kwargs=spec.chat_template_kwargs)
             prompts = [PromptInput(text, inputs.tokenize(text, add_special_tokens=False, param=param))]
         else:
             prompts = []

@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paxserve.sampling_params import SamplingParams
+from paxserve.structured_outputs import StructuredOutputsParams
 from server.errors import ProtocolError, from_value_error
 from server.settings import ServerSettings
+from server.structured import parse_structured_outputs
+from server.tools import ChatOutputParsers, parse_tools, template_tool_calls
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP_STRING_CHARS = 1024  # a stop string longer than this is a mistake, and costs every token a scan
@@ -29,7 +32,9 @@ class GenerationSpec:
     model: str
     params: SamplingParams
     prompts: list[Prompt] = field(default_factory=list)  # completions
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat, already flattened to text
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat, contents flattened to text
+    tools: list[dict[str, Any]] | None = None  # chat: rendered by the chat template
+    output: ChatOutputParsers = field(default_factory=ChatOutputParsers)  # chat: reasoning / tool-call parsing
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -40,6 +45,7 @@ class GenerationSpec:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    structured_param: str | None = None  # the field the output constraint came from (response_format, ...)
     max_tokens_param: str = "max_tokens"  # the field the client used (chat may say max_completion_tokens)
 
     @property
@@ -150,23 +156,17 @@ def _unsupported(name: str, what: str | None = None) -> ProtocolError:
 
 
 def _check_unsupported(body: dict, chat: bool) -> None:
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                 "structured_outputs", "prompt_logprobs", "logits_processors", "prompt_embeds", "lora_request",
+    for name in ("prompt_logprobs", "logits_processors", "prompt_embeds", "lora_request",
                  "functions", "function_call", "audio", "prediction", "web_search_options", "kv_transfer_params"):
         if body.get(name) not in (None, [], {}):
             raise _unsupported(name)
     if get_bool(body, "use_beam_search", False):
         raise _unsupported("use_beam_search", "beam search")
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise _unsupported("response_format", f"type {kind!r} (structured output); only 'text' is accepted")
+    backend = get_str(body, "guided_decoding_backend", None)
+    if backend is not None and backend not in ("auto", "guidance", "llguidance"):
+        raise ProtocolError(f"`guided_decoding_backend` {backend!r} is not available: paxserve guides decoding with "
+                            "llguidance ('guidance')", param="guided_decoding_backend")
     if chat:
-        if body.get("tools"):
-            raise _unsupported("tools", "tool calling")
-        if body.get("tool_choice") not in (None, "none", "auto"):
-            raise _unsupported("tool_choice", "tool calling")
         modalities = body.get("modalities")
         if modalities is not None and modalities != ["text"]:
             raise _unsupported("modalities", "only ['text'] is produced")
@@ -222,7 +222,7 @@ def check_request_chat_template(body: dict, settings: ServerSettings) -> str | N
 
 
 def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
-                     settings: ServerSettings) -> SamplingParams:
+                     settings: ServerSettings, structured: StructuredOutputsParams | None = None) -> SamplingParams:
     vocab_size = settings.vocab_size
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", None)
@@ -269,6 +269,7 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, r
             logprobs=logprobs,
             include_stop_str_in_output=bool(get_bool(body, "include_stop_str_in_output", False)),
             skip_special_tokens=bool(get_bool(body, "skip_special_tokens", True)),
+            structured_outputs=structured,
         )
     except ValueError as e:
         raise from_value_error(e, renames=renames) from None
@@ -314,9 +315,10 @@ def parse_completion_request(body: dict, settings: ServerSettings) -> Generation
         raise ProtocolError("`echo` together with `logprobs` is not supported: paxserve does not compute prompt "
                             "logprobs", param="echo")
     max_tokens = get_int(body, "max_tokens", 16)
-    params = _sampling_params(body, max_tokens, logprobs, {}, settings)
+    structured, structured_param = parse_structured_outputs(body)
+    params = _sampling_params(body, max_tokens, logprobs, {}, settings, structured)
     spec = GenerationSpec("completion", model, params, prompts=prompts, echo=echo, logprobs=logprobs,
-                          cache_salt=get_cache_salt(body))
+                          cache_salt=get_cache_salt(body), structured_param=structured_param)
     _stream_flags(body, spec)
     return spec
 
@@ -341,7 +343,7 @@ def _message_text(content: Any, index: int) -> str:
     return "\n".join(texts)
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any) -> list[dict[str, Any]]:
     if value is None:
         raise ProtocolError("`messages` is required", param="messages")
     if not isinstance(value, list) or not value:
@@ -351,16 +353,31 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ProtocolError(f"messages[{i}] must be an object with a string `role`", param="messages")
         role = message["role"]
-        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-            raise ProtocolError(f"messages[{i}]: tool calling (role {role!r}, tool_calls) is not supported by "
-                                "paxserve yet", param="messages")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise ProtocolError(f"messages[{i}].role {role!r} is not one of system, developer, user, assistant",
+        if role == "function" or message.get("function_call"):
+            raise ProtocolError(f"messages[{i}]: the deprecated `function` role and `function_call` are not "
+                                "supported; use `tool_calls` and the `tool` role", param="messages")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ProtocolError(f"messages[{i}].role {role!r} is not one of system, developer, user, assistant, tool",
                                 param="messages")
         if "content" not in message and role != "assistant":
             raise ProtocolError(f"messages[{i}] has no `content`", param="messages")
-        messages.append({"role": "system" if role == "developer" else role,
-                         "content": _message_text(message.get("content"), i)})
+        out: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _message_text(message.get("content"), i)}
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ProtocolError(f"messages[{i}].tool_call_id must be a string", param="messages")
+            out["tool_call_id"] = call_id
+            if isinstance(message.get("name"), str):
+                out["name"] = message["name"]
+        if role == "assistant":
+            if message.get("tool_calls"):
+                out["tool_calls"] = template_tool_calls(message["tool_calls"], i)
+            # vLLM's and DeepSeek's names for earlier thinking; templates read `reasoning_content`.
+            thinking = message.get("reasoning_content", message.get("reasoning"))
+            if isinstance(thinking, str) and thinking:
+                out["reasoning_content"] = thinking
+        messages.append(out)
     return messages
 
 
@@ -376,10 +393,22 @@ def parse_chat_request(body: dict, settings: ServerSettings) -> GenerationSpec:
     logprobs = (top_logprobs or 0) if want_logprobs else None
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_int(body, max_name, None)
+    tool_spec = parse_tools(body, settings)
+    structured, structured_param = parse_structured_outputs(body)
+    if tool_spec.constraint is not None:
+        if structured is not None:
+            raise ProtocolError(f"`{structured_param}` cannot be combined with a tool_choice that forces a call (the "
+                                "call's arguments schema already guides the output)", param=structured_param)
+        structured, structured_param = tool_spec.constraint, "tool_choice"
     params = _sampling_params(body, max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_name},
-                              settings)
+                              settings, structured)
+    if tool_spec.parser is not None and tool_spec.parser.keep_special_tokens:
+        params.skip_special_tokens = False  # the format's markers are special tokens
     spec = GenerationSpec("chat", model, params, messages=messages, logprobs=logprobs,
-                          cache_salt=get_cache_salt(body), max_tokens_param=max_name)
+                          cache_salt=get_cache_salt(body), max_tokens_param=max_name,
+                          structured_param=structured_param)
+    spec.tools = tool_spec.tools or None
+    spec.output = ChatOutputParsers.for_request(settings, tool_spec, guided=structured is not None)
     spec.add_generation_prompt = bool(get_bool(body, "add_generation_prompt", True))
     spec.continue_final_message = bool(get_bool(body, "continue_final_message", False))
     if spec.add_generation_prompt and spec.continue_final_message:

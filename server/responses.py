@@ -66,11 +66,13 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None,
+def chat_choice(index: int, message: dict[str, Any], logprobs: dict | None, finish_reason: str | None,
                 stop_reason: int | str | None = None) -> dict[str, Any]:
-    return {"index": index,
-            "message": {"role": "assistant", "content": content, "refusal": None, "tool_calls": []},
-            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    """`message` as ChatOutputParsers.message builds it (content, reasoning, tool_calls)."""
+    if message.get("tool_calls") and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict | None, finish_reason: str | None,

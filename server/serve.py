@@ -62,6 +62,8 @@ def build_settings(args: argparse.Namespace, model_root: str | None, chat_templa
         max_num_queued_reqs=args.max_num_queued_reqs, chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template, max_stop_strings=args.max_stop_strings,
         body_timeout_s=args.http_body_timeout, log_requests=args.enable_log_requests,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 
@@ -76,6 +78,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     EngineConfig(model=args.model, **engine_kwargs(args))  # invalid settings fail before JAX is imported
     chat_template = _chat_template(args.chat_template)  # fail on a bad template before loading anything
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     from paxserve.async_engine import AsyncEngine  # JAX comes in here, not at import time
     from paxserve.engine import Engine
 

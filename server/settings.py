@@ -30,6 +30,10 @@ class ServerSettings:
     # The model's default sampling settings (--generation-config), SamplingParams' names: a request
     # that leaves temperature, top_p, top_k, min_p or repetition_penalty out of its body gets these.
     sampling_defaults: dict[str, Any] | None = None
+    # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # splits <think> text into the message's `reasoning`
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -40,6 +44,8 @@ class ServerSettings:
             raise ValueError(f"ServerSettings.max_num_queued_reqs={self.max_num_queued_reqs} must be >= 0")
         if self.max_stop_strings < 0:
             raise ValueError(f"ServerSettings.max_stop_strings={self.max_stop_strings} must be >= 0")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
         if not self.body_timeout_s > 0:
             raise ValueError(f"ServerSettings.body_timeout_s={self.body_timeout_s} must be > 0 seconds")
 

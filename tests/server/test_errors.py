@@ -139,15 +139,10 @@ def test_bad_chat_fields_are_400(server, change: dict, field: str) -> None:
 
 # ---- 400: valid OpenAI features paxserve does not implement ----------------------------------------
 
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
-SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
-
-
 @pytest.mark.parametrize("path,change,names", [
-    ("/v1/chat/completions", {"tools": [TOOL]}, ("tools",)),
-    ("/v1/chat/completions", {"response_format": SCHEMA}, ("response_format", "json_schema")),
     ("/v1/completions", {"suffix": " and that is all."}, ("suffix",)),
-], ids=["tools", "response_format json_schema", "suffix"])
+    ("/v1/chat/completions", {"messages": [{"role": "function", "name": "f", "content": "1"}]}, ("function",)),
+], ids=["suffix", "deprecated function role"])
 def test_unimplemented_openai_features_are_a_clear_400(server, path: str, change: dict, names: tuple) -> None:
     base = CHAT if "chat" in path else COMPLETION
     err = assert_error(server.post(path, {**base, **change}), 400)
