@@ -19,6 +19,7 @@ from paxserve.batch import SeqChunk
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.model_runner import ModelRunner
+from paxserve.prompt_logprobs import PromptLogprobsBuffer, build_prompt_logprobs_inputs, fill_prompt_logprobs
 from paxserve.request import Request, RequestStatus
 from paxserve.sampling_metadata import SampledTokens, SamplingRow, build_sampling_inputs
 from paxserve.scheduler import Scheduler, SchedulerOutput
@@ -51,12 +52,16 @@ class EngineCore:
         """Queue all n samples of a request, or none of them (ValueError)."""
         if request.request_id in self._samples:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        prompt_k = request.sampling_params.prompt_logprobs
         samples = [
             Request(request_id=request.sample_id(i), prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params, max_tokens=request.max_tokens,
                     eos_token_ids=request.eos_token_ids, seed=request.seeds[i], arrival_time=request.arrival_time,
                     parent_id=request.request_id, sample_index=i, cache_salt=request.cache_salt,
-                    matcher=None if request.grammar is None else request.grammar.new_matcher())
+                    matcher=None if request.grammar is None else request.grammar.new_matcher(),
+                    # One sample scores the prompt for all n; the others may use the prefix cache.
+                    prompt_logprobs=PromptLogprobsBuffer.empty(len(request.prompt_token_ids), prompt_k)
+                    if i == 0 and prompt_k is not None else None)
             for i in range(request.sampling_params.n)
         ]
         added: list[Request] = []
@@ -141,13 +146,27 @@ class EngineCore:
                             s.request.seed, s.request.eos_token_ids,
                             matcher=s.request.matcher if s.request.num_computed_tokens + s.num_new_tokens
                             == s.request.num_tokens else None) for s in out.scheduled]
-        return self.runner.execute(batch, build_sampling_inputs(rows, batch.context_lens.shape[0], self.vocab_size))
+        sampling = build_sampling_inputs(rows, batch.context_lens.shape[0], self.vocab_size)
+        buffers = [s.request.prompt_logprobs for s in out.scheduled]
+        prompt = build_prompt_logprobs_inputs(
+            [(b, s.request.prompt_token_ids, s.request.num_computed_tokens, s.num_new_tokens)
+             for b, s in zip(buffers, out.scheduled)], batch.input_ids.shape[0])
+        if prompt is None:  # nobody scores prompt tokens this step: the plain program, nothing extra
+            return self.runner.execute(batch, sampling)
+        sampled, prompt_rows = self.runner.execute_with_prompt_logprobs(batch, sampling, prompt)
+        fill_prompt_logprobs(buffers, prompt, prompt_rows)
+        return sampled
 
     def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool) -> SampleOutput:
         logprobs = None
         if request.sampling_params.logprobs is not None and sampled.sampled_logprobs is not None:
             logprobs = SampledLogprobs(float(sampled.sampled_logprobs[row]), sampled.top_token_ids[row],
                                        sampled.top_logprobs[row])
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None and prompt_logprobs.complete and not prompt_logprobs.sent:
+            prompt_logprobs.sent = True
+        else:
+            prompt_logprobs = None
         if finished:
             self._forget(request)
         return SampleOutput(
@@ -155,6 +174,7 @@ class EngineCore:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens,
             error=request.error if finished else None, ended_by_grammar=finished and request.ended_by_grammar,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[SampleOutput]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from paxserve.prompt_logprobs import PromptLogprobsBuffer
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["EngineCoreRequest", "EngineSnapshot", "RequestOutputKind", "SampleOutput", "SampledLogprobs"]
@@ -70,6 +71,8 @@ class SampleOutput:
     error: str | None = None  # what went wrong, in words safe to show a client
     # "stop" because the structured-output grammar is complete: the last token is text, not an EOS.
     ended_by_grammar: bool = False
+    # The request's prompt logprobs, complete, once: with the output of the sample that scored them.
+    prompt_logprobs: PromptLogprobsBuffer | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,8 +63,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached blocks matching the request's tokens, and how many tokens that
-        covers. The last token is always left to compute: its logits are needed."""
-        if not self.enable_caching:
+        covers. The last token is always left to compute: its logits are needed. A request still
+        collecting prompt logprobs gets no hits (it needs every prompt position's logits), though
+        the blocks it computes are registered for others as usual."""
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

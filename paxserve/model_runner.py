@@ -13,11 +13,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Int
 
 from models.loader import LoadedModel
 from models.sharding import TensorParallel
 from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
-from paxserve.sampler import SamplingMetadata, sample
+from paxserve.prompt_logprobs import PromptLogprobsInputs, prompt_packed_width
+from paxserve.sampler import SamplingMetadata, prompt_logprob_columns, sample
 from paxserve.sampling_metadata import SampledTokens, SamplingInputs, unpack
 from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
 
@@ -60,6 +62,27 @@ def _jitted_step(forward: Callable[..., Any]) -> Callable[..., Any]:
         return sample(logits, sampling), kv_cache
 
     return jax.jit(step, static_argnames=_STATIC, donate_argnums=(1,))
+
+
+@cache
+def _jitted_prompt_logprobs_step(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The step of a batch in which some request asks for prompt logprobs: the forward returns
+    logits for every token position ([T, V] float32, the memory cost that only such batches pay),
+    the sequences' rows are sampled as in `_jitted_step`, and every position gets its prompt-logprob
+    columns. Both results leave the device as one flat float32 array (one host copy). It goes
+    through the same `_run_forward`, so tensor parallelism gathers the logits as usual."""
+
+    def step(params, kv_cache, input_ids: Int[Array, " T"], positions: Int[Array, " T"],  # noqa: ANN001, ANN202
+             metadata: AttentionMetadata, sampling: SamplingMetadata, targets: Int[Array, " T"], cfg,  # noqa: ANN001
+             num_top: int, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+        every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
+        logits, kv_cache = _run_forward(forward, params, kv_cache, input_ids, positions, every, cfg,
+                                        attention_backend, tp)
+        sampled = sample(logits[metadata.logits_indices], sampling)
+        prompt = prompt_logprob_columns(logits, targets, num_top)
+        return jnp.concatenate([sampled.reshape(-1), prompt.reshape(-1)]), kv_cache
+
+    return jax.jit(step, static_argnames=(*_STATIC, "num_top"), donate_argnums=(1,))
 
 
 def _metadata(batch: Batch) -> AttentionMetadata:
@@ -164,6 +187,30 @@ class ModelRunner:
             attention_backend=self.attention_backend, tp=self.model.tp,
         )
         return unpack(np.asarray(packed), batch.num_seqs, sampling.num_logprobs)
+
+    def execute_with_prompt_logprobs(self, batch: Batch, sampling: SamplingInputs,
+                                     prompt: PromptLogprobsInputs) -> tuple[SampledTokens, np.ndarray]:
+        """`execute` plus prompt logprobs: also returns the packed [T, 2 + 2 * num_top] float32 rows
+        of every flat position (see `prompt_logprobs.prompt_packed_width`). Its programs are keyed
+        by the plain step's bucket plus num_top (5 or 20)."""
+        t, s = batch.input_ids.shape[0], batch.context_lens.shape[0]
+        if prompt.targets.shape[0] != t:
+            raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
+        self._note_bucket(("prompt_logprobs", prompt.num_top, t, s, batch.block_tables.shape[1], sampling.all_greedy,
+                           sampling.use_top_k_top_p, sampling.use_penalties, sampling.num_logprobs,
+                           sampling.output_token_ids.shape[1], sampling.prompt_token_ids.shape[1],
+                           sampling.logit_bias_ids.shape[1], sampling.suppress_ids.shape[1]))
+        packed, self.kv_cache = _jitted_prompt_logprobs_step(self.model.architecture.forward)(
+            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+            _metadata(batch), SamplingMetadata.from_inputs(sampling), jnp.asarray(prompt.targets),
+            cfg=self.model.config, num_top=prompt.num_top, attention_backend=self.attention_backend,
+            tp=self.model.tp,
+        )
+        flat = np.asarray(packed)
+        num_sampled = s * sampling.packed_width
+        sampled = unpack(flat[:num_sampled].reshape(s, sampling.packed_width), batch.num_seqs,
+                         sampling.num_logprobs)
+        return sampled, flat[num_sampled:].reshape(t, prompt_packed_width(prompt.num_top))
 
 
 def measure_activation_bytes(

@@ -16,6 +16,7 @@ from typing import Any
 from paxserve.detokenizer import IncrementalDetokenizer
 from paxserve.engine_io import EngineCoreRequest, RequestOutputKind, SampledLogprobs, SampleOutput
 from paxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from paxserve.prompt_logprobs import PromptLogprobsBuffer
 from paxserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class _RequestState:
     samples: list[_Sample]
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -116,6 +119,8 @@ class OutputProcessor:
             self._fail(state, out.error or "The request failed.", result)
             return
         params = state.request.sampling_params
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = self._prompt_logprobs(state.request.prompt_token_ids, out.prompt_logprobs)
         for token in out.new_token_ids:
             sample.token_ids.append(token)
             if sample.want_logprobs and out.logprobs is not None:
@@ -173,11 +178,30 @@ class OutputProcessor:
         for s in state.samples:
             s.changed, s.new_text = False, ""
         request = state.request
+        prompt_logprobs = state.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            if state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                state.prompt_logprobs_sent = True
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=completions, finished=finished,
-                             num_cached_tokens=state.num_cached_tokens, error=state.error)
+                             num_cached_tokens=state.num_cached_tokens, error=state.error,
+                             prompt_logprobs=prompt_logprobs)
 
-    def _logprobs_entry(self, token: int, lp: SampledLogprobs, k: int) -> dict[int, Logprob]:
+    def _prompt_logprobs(self, prompt_ids: list[int],
+                         buffer: PromptLogprobsBuffer) -> list[dict[int, Logprob] | None]:
+        """The engine's raw prompt-logprob rows as vLLM's list: None for token 0, then one entry per
+        token in the same shape as the sampled tokens' (with its exact rank from the device)."""
+        entries: list[dict[int, Logprob] | None] = [None]
+        k = buffer.num_top
+        for i, token in enumerate(prompt_ids[1:]):
+            lp = SampledLogprobs(float(buffer.logprobs[i]), buffer.top_token_ids[i], buffer.top_logprobs[i])
+            entries.append(self._logprobs_entry(token, lp, k, rank=int(buffer.ranks[i])))
+        return entries
+
+    def _logprobs_entry(self, token: int, lp: SampledLogprobs, k: int, rank: int | None = None) -> dict[int, Logprob]:
+        """`rank`: the token's exact rank when known; else its place in the top ids, if there."""
         top_ids = lp.top_token_ids.tolist()
         top_lps = lp.top_logprobs.tolist()
         tok = self.tokenizer
@@ -185,8 +209,9 @@ class OutputProcessor:
         def decode(t: int) -> str | None:
             return tok.decode([t]) if tok is not None else None
 
-        entry = {token: Logprob(lp.logprob, rank=top_ids.index(token) + 1 if token in top_ids else None,
-                                decoded_token=decode(token))}
-        for rank, (tid, value) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1):
-            entry.setdefault(int(tid), Logprob(float(value), rank=rank, decoded_token=decode(int(tid))))
+        if rank is None and token in top_ids:
+            rank = top_ids.index(token) + 1
+        entry = {token: Logprob(lp.logprob, rank=rank, decoded_token=decode(token))}
+        for place, (tid, value) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1):
+            entry.setdefault(int(tid), Logprob(float(value), rank=place, decoded_token=decode(int(tid))))
         return entry

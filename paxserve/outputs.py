@@ -52,6 +52,11 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when it finished with "error": what went wrong, safe to show a client
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing precedes it), else
+    # {token_id: Logprob} for the prompt's own token (exact rank) and the top alternatives. With
+    # delta outputs it comes once, on the first output (after they are ready); otherwise on every
+    # output from then on (cumulative) or on the final one.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,3 +73,5 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.error = later.error or self.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from paxserve.prompt_logprobs import PromptLogprobsBuffer
 from paxserve.sampling_params import SamplingParams
 
 
@@ -57,12 +58,20 @@ class Request:
     matcher: Any = None
     ended_by_grammar: bool = False  # finished because the grammar is complete (its last token is text)
     error: str | None = None
+    # Prompt logprobs collected so far; set on the one sample of a request that scores its prompt.
+    prompt_logprobs: PromptLogprobsBuffer | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt token still lacks its logprob: such a request must compute its prompt
+        rather than take it from the prefix cache (cached tokens have no logits)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.complete
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -142,6 +142,17 @@ def _logprob_columns(
     return jnp.concatenate([sampled, top_ids.astype(jnp.float32), top_values], axis=-1)
 
 
+def prompt_logprob_columns(logits: Float[Array, "T V"], targets: Int[Array, " T"], k: int) -> Float[Array, "T W"]:
+    """Per flat position: the logprob of the token its logits score (`targets`, the next prompt
+    token), that token's exact rank (1 + how many tokens have a strictly larger logprob), and the
+    top `k` ids and logprobs, packed as float32 (ranks and ids are exact below 2**24)."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    actual = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
+    rank = 1 + jnp.sum(logprobs > actual, axis=-1, keepdims=True, dtype=jnp.int32)
+    top_values, top_ids = jax.lax.top_k(logprobs, k)
+    return jnp.concatenate([actual, rank.astype(jnp.float32), top_ids.astype(jnp.float32), top_values], axis=-1)
+
+
 def sample(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S W"]:
     """One packed float32 array per step, so the engine copies to the host once: column 0 the
     token id (exact below 2**24), then with `num_logprobs` k > 0 the token's logprob, k top ids

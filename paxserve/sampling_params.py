@@ -30,7 +30,8 @@ class SamplingParams:
 
     `temperature=0` is greedy. `top_k` of 0 or -1 disables top-k. `seed` makes sampling
     reproducible and independent of whatever else is in the batch. `logprobs=k` returns the sampled
-    token's log-probability and the k most likely tokens, computed from the raw model logits.
+    token's log-probability and the k most likely tokens, computed from the raw model logits;
+    `prompt_logprobs=k` does the same for every prompt token after the first.
     """
 
     n: int = 1
@@ -49,6 +50,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Log-probabilities of the prompt's own tokens (each given the ones before it) and their top-k
+    # alternatives; the request then skips the prefix cache, since cached tokens have no logits.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -81,6 +85,9 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _fail("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            _fail("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             _fail("seed", self.seed, "must be an integer in [0, 2**63)")
         if self.logit_bias:
