@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -88,11 +88,14 @@ async def _collect(state: ServerState, spec: GenerationSpec, run: GenerationRun,
     n = spec.params.n
     choices: dict[int, CompletionOutput] = {}
     cached = [0] * len(run.prompts)
+    prompt_logprobs: list[list | None] = [None] * len(run.prompts)
     done: set[int] = set()
     item = first
     while True:
         i, out = item
         cached[i] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[i] = out.prompt_logprobs
         if out.finished:
             done.add(i)
         for o in out.outputs:
@@ -107,21 +110,43 @@ async def _collect(state: ServerState, spec: GenerationSpec, run: GenerationRun,
             item = await run.next()
         except ServerShutdown as e:
             raise ProtocolError(str(e), status=503) from None
-    body = [_final_choice(spec, idx, run.prompts[idx // n], choices[idx]) for idx in sorted(choices)]
+    decode = _decoder(state)
+    body = [_final_choice(spec, idx, run.prompts[idx // n], choices[idx], prompt_logprobs[idx // n], decode)
+            for idx in sorted(choices)]
     completion_tokens = sum(len(o.token_ids) for o in choices.values())
     model = state.settings.response_model(spec.model)
-    return web.json_response(R.response(spec.kind, run.id, run.created, model, body,
-                                        _usage(run, completion_tokens, sum(cached))))
+    response = R.response(spec.kind, run.id, run.created, model, body, _usage(run, completion_tokens, sum(cached)))
+    if spec.kind == "chat" and spec.params.prompt_logprobs is not None:
+        response["prompt_logprobs"] = R.vllm_prompt_logprobs(prompt_logprobs[0])  # vLLM puts chat's at the top
+    return web.json_response(response)
 
 
-def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: CompletionOutput) -> dict[str, Any]:
+def _decoder(state: ServerState) -> Callable[[int], str]:
+    tokenizer = state.async_engine.input_processor.tokenizer
+    return (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: f"token_id:{t}")
+
+
+def _echo_logprobs(spec: GenerationSpec, prompt: PromptInput, prompt_logprobs: list | None, o: CompletionOutput,
+                   decode: Callable[[int], str]) -> dict[str, Any]:
+    """Echo with logprobs: the prompt's tokens (the first with null logprobs) and then the answer's."""
+    entries = list(prompt_logprobs or [None] * len(prompt.token_ids)) + list(o.logprobs or [])
+    return R.completion_logprobs(entries, prompt.token_ids + o.token_ids, 0, decode)
+
+
+def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: CompletionOutput,
+                  prompt_logprobs: list | None, decode: Callable[[int], str]) -> dict[str, Any]:
     want_logprobs = spec.logprobs is not None and o.logprobs is not None
     if spec.kind == "chat":
         logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs) if want_logprobs else None
         return R.chat_choice(index, spec.output.message(o.text), logprobs, o.finish_reason, o.stop_reason)
-    logprobs = R.completion_logprobs(o.logprobs, o.token_ids, 0) if want_logprobs else None
+    if want_logprobs:
+        logprobs = _echo_logprobs(spec, prompt, prompt_logprobs, o, decode) if spec.echo else \
+            R.completion_logprobs(o.logprobs, o.token_ids, 0)
+    else:
+        logprobs = None
     text = (prompt.text or "") + o.text if spec.echo else o.text
-    return R.completion_choice(index, text, logprobs, o.finish_reason, o.stop_reason)
+    vllm_prompt = R.vllm_prompt_logprobs(prompt_logprobs) if spec.params.prompt_logprobs is not None else None
+    return R.completion_choice(index, text, logprobs, o.finish_reason, o.stop_reason, vllm_prompt)
 
 
 # ---- an SSE stream ----------------------------------------------------------------------------
@@ -135,6 +160,8 @@ class _StreamState:
         self.tokens = [0] * num
         self.finished = [False] * num
         self.echo_pending = [spec.echo] * num
+        self.prompt_logprobs_sent = [False] * num
+        self.decode: Callable[[int], str] = lambda t: f"token_id:{t}"  # the server's tokenizer, set by _stream
         self.cached = [0] * len(run.prompts)
         # Chat with a reasoning or tool-call parser: each choice's text goes through its own stream.
         self.parsed = [spec.output.stream() for _ in range(num)] if spec.kind == "chat" and spec.output.active \
@@ -153,13 +180,16 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
             continue
         st.tokens[idx] += len(o.token_ids)
         text = o.text
-        if st.echo_pending[idx]:
+        echoed = st.echo_pending[idx]
+        if echoed:
             text = (run.prompts[i].text or "") + text
             st.echo_pending[idx] = False
         logprobs = None
-        if spec.logprobs is not None and o.logprobs:
+        if spec.logprobs is not None and (o.logprobs or echoed):
             if spec.kind == "chat":
                 logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs)
+            elif echoed:
+                logprobs = _echo_logprobs(spec, run.prompts[i], out.prompt_logprobs, o, st.decode)
             else:
                 logprobs = R.completion_logprobs(o.logprobs, o.token_ids, st.text_sent[idx])
         if not text and logprobs is None and o.finish_reason is None:
@@ -179,7 +209,11 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
                 delta = {"content": text} if text else {}
             choice = R.chat_chunk_choice(idx, delta, logprobs, finish_reason, o.stop_reason)
         else:
-            choice = R.completion_choice(idx, text, logprobs, o.finish_reason, o.stop_reason)
+            vllm_prompt = None
+            if spec.params.prompt_logprobs is not None and not st.prompt_logprobs_sent[idx] and out.prompt_logprobs:
+                vllm_prompt = R.vllm_prompt_logprobs(out.prompt_logprobs)
+                st.prompt_logprobs_sent[idx] = True
+            choice = R.completion_choice(idx, text, logprobs, o.finish_reason, o.stop_reason, vllm_prompt)
         chunks.append((idx, choice))
     return chunks
 
@@ -188,6 +222,7 @@ async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec
                   first: tuple[int, RequestOutput]) -> web.StreamResponse:
     model = state.settings.response_model(spec.model)
     st = _StreamState(spec, run)
+    st.decode = _decoder(state)
     prompt_tokens = sum(len(p.token_ids) for p in run.prompts)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> dict[str, Any]:

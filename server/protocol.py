@@ -156,7 +156,7 @@ def _unsupported(name: str, what: str | None = None) -> ProtocolError:
 
 
 def _check_unsupported(body: dict, chat: bool) -> None:
-    for name in ("prompt_logprobs", "logits_processors", "prompt_embeds", "lora_request",
+    for name in ("logits_processors", "prompt_embeds", "lora_request",
                  "functions", "function_call", "audio", "prediction", "web_search_options", "kv_transfer_params"):
         if body.get(name) not in (None, [], {}):
             raise _unsupported(name)
@@ -270,9 +270,17 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None, r
             include_stop_str_in_output=bool(get_bool(body, "include_stop_str_in_output", False)),
             skip_special_tokens=bool(get_bool(body, "skip_special_tokens", True)),
             structured_outputs=structured,
+            prompt_logprobs=_prompt_logprobs(body, settings),
         )
     except ValueError as e:
         raise from_value_error(e, renames=renames) from None
+
+
+def _prompt_logprobs(body: dict, settings: ServerSettings) -> int | None:
+    """vLLM's `prompt_logprobs`: the prompt's own tokens scored, with this many alternatives."""
+    value = get_int(body, "prompt_logprobs", None, lo=0)
+    _check_logprobs(value, "prompt_logprobs", settings)
+    return value
 
 
 def _check_logprobs(value: int | None, name: str, settings: ServerSettings) -> None:
@@ -311,12 +319,11 @@ def parse_completion_request(body: dict, settings: ServerSettings) -> Generation
     logprobs = get_int(body, "logprobs", None, lo=0)
     _check_logprobs(logprobs, "logprobs", settings)
     echo = bool(get_bool(body, "echo", False))
-    if echo and logprobs is not None:
-        raise ProtocolError("`echo` together with `logprobs` is not supported: paxserve does not compute prompt "
-                            "logprobs", param="echo")
     max_tokens = get_int(body, "max_tokens", 16)
     structured, structured_param = parse_structured_outputs(body)
     params = _sampling_params(body, max_tokens, logprobs, {}, settings, structured)
+    if echo and logprobs is not None:  # OpenAI: the echoed prompt's tokens come with their logprobs too
+        params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
     spec = GenerationSpec("completion", model, params, prompts=prompts, echo=echo, logprobs=logprobs,
                           cache_salt=get_cache_salt(body), structured_param=structured_param)
     _stream_flags(body, spec)

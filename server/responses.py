@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import paxserve
 from paxserve.outputs import Logprob
@@ -29,19 +29,37 @@ def _token_str(token_id: int, lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], text_offset: int) -> dict[str, Any]:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset."""
+def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int], text_offset: int,
+                        decode: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset. An
+    entry of None (the first echoed prompt token: nothing precedes it) has null logprobs, as in
+    OpenAI's echo; its text comes from `decode`."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
-        sampled = entry[token_id]
-        text = _token_str(token_id, sampled)
-        tokens.append(text)
-        token_logprobs.append(_lp(sampled.logprob))
-        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
-        top.append({_token_str(t, lp): _lp(lp.logprob) for t, lp in ranked})
+        if entry is None:
+            text = decode(token_id) if decode is not None else f"token_id:{token_id}"
+            tokens.append(text)
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            sampled = entry[token_id]
+            text = _token_str(token_id, sampled)
+            tokens.append(text)
+            token_logprobs.append(_lp(sampled.logprob))
+            ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+            top.append({_token_str(t, lp): _lp(lp.logprob) for t, lp in ranked})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, null or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
 
 
 def _chat_token(token_id: int, lp: Logprob) -> dict[str, Any]:
@@ -61,9 +79,12 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k
 
 
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: int | str | None = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+                      stop_reason: int | str | None = None, prompt_logprobs: list | None = None) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
 
 
 def chat_choice(index: int, message: dict[str, Any], logprobs: dict | None, finish_reason: str | None,
