@@ -319,13 +319,16 @@ def parse_completion_request(body: dict, settings: ServerSettings) -> Generation
     logprobs = get_int(body, "logprobs", None, lo=0)
     _check_logprobs(logprobs, "logprobs", settings)
     echo = bool(get_bool(body, "echo", False))
-    max_tokens = get_int(body, "max_tokens", 16)
+    # OpenAI's newer name is accepted here too, so one client setting works on both endpoints.
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get_int(body, max_name, 16)
     structured, structured_param = parse_structured_outputs(body)
-    params = _sampling_params(body, max_tokens, logprobs, {}, settings, structured)
+    params = _sampling_params(body, max_tokens, logprobs, {"max_tokens": max_name}, settings, structured)
     if echo and logprobs is not None:  # OpenAI: the echoed prompt's tokens come with their logprobs too
         params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
     spec = GenerationSpec("completion", model, params, prompts=prompts, echo=echo, logprobs=logprobs,
-                          cache_salt=get_cache_salt(body), structured_param=structured_param)
+                          cache_salt=get_cache_salt(body), structured_param=structured_param,
+                          max_tokens_param=max_name)
     _stream_flags(body, spec)
     return spec
 

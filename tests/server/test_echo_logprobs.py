@@ -64,9 +64,10 @@ def test_streamed_echo_starts_with_the_prompts_tokens(server, reference) -> None
 
 def test_vllm_prompt_logprobs_field(server, reference) -> None:
     ids, expected = reference
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "prompt_logprobs": 2, "max_tokens": 2, "temperature": 0}
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "prompt_logprobs": 2, "max_completion_tokens": 2, "temperature": 0}
     resp = server.post("/v1/completions", body)
     assert resp.status == 200, resp
+    assert resp.json()["usage"]["completion_tokens"] <= 2  # the newer name works on completions too
     entries = resp.json()["choices"][0]["prompt_logprobs"]
     assert len(entries) == len(ids) and entries[0] is None
     got = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], entries[1:])]
