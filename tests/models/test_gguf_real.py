@@ -189,11 +189,11 @@ def test_gemma3_engine_greedy_equals_transformers(case: dict[str, Any], report) 
     assert len(prompts[-1]) > 600 and all(p[0] == tok.bos_token_id for p in prompts)
     engine = Engine(str(case["path"]), **{**TEST_ENGINE_ARGS, "max_model_len": 1024, "max_num_batched_tokens": 256,
                                           "kv_cache_memory_bytes": 96 * 2**20})
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+                              max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
     report(f"Gemma 3 270M GGUF: greedy equal to transformers on {len(prompts)} prompts "
            f"({', '.join(str(len(p)) for p in prompts)} tokens; window 512)")

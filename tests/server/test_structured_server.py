@@ -42,9 +42,9 @@ def assert_valid_call(call) -> None:
 # ---- response_format and vLLM's guided fields, official client ----------------------------------------
 
 def test_json_schema_through_the_clients_parse_helper_over_seeds(client: openai.OpenAI) -> None:
-    out = client.chat.completions.parse(model=MODEL_NAME, messages=ASK, response_format=Person, n=3,
+    out = client.chat.completions.parse(model=MODEL_NAME, messages=ASK, response_format=Person, n=2,
                                         temperature=1.0, seed=11, max_tokens=80)
-    assert len(out.choices) == 3
+    assert len(out.choices) == 2
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Person), choice.message.content
@@ -153,7 +153,7 @@ def chat(server):
 @pytest.mark.parametrize("method", ["json_schema", "json_mode"])
 def test_langchain_structured_output(chat, method: str) -> None:
     question = "Describe a fictional person as JSON with name, age and city (Paris, Rome or Oslo)."
-    for temperature in (0.0, 0.9):
+    for temperature in ((0.9,) if method == "json_schema" else (0.0,)):
         llm = chat.bind(temperature=temperature, seed=5)
         result = llm.with_structured_output(Person, method=method, include_raw=True).invoke(question)
         if method == "json_schema":  # the schema itself guides decoding
