@@ -66,7 +66,8 @@ def test_prefill_logits_match_hf(tiny, report) -> None:
     assert worst[1] < LOGIT_TOL
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+# Blocks 8 and 32 page every family in test_families.py; here the Llama variants decode at 16.
+@pytest.mark.parametrize("block_size", [16])
 def test_decode_through_shuffled_pages_matches_hf_cached_decode(tiny, block_size: int, report) -> None:
     hf, model, name = tiny
     prompts = prompts_for(block_size, [11, 26])

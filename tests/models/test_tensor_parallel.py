@@ -119,7 +119,10 @@ def test_greedy_tokens_at_tp_2_and_4_equal_tp_1_and_transformers(family, report)
     reference = [hf_greedy(hf, p, STEPS) for p in prompts]
     want = [tokens for tokens, _ in reference]
     results = {}
-    for size in (1, 2, 4):
+    # TP 4 where KV heads are repeated over devices (Mistral's 2, Gemma 3's and Falcon's 1); Llama and
+    # Mixtral run the same split code at TP 2 (the TP engine and server tests add Llama at TP 2 too).
+    sizes = (1, 2) if name in ("llama-gqa", "mixtral") else (1, 2, 4)
+    for size in sizes:
         model = load_model(directory, tensor_parallel_size=size)
         runner = ModelRunner(model, num_blocks=32, block_size=8, max_model_len=128)
         if size > 1:
@@ -130,7 +133,7 @@ def test_greedy_tokens_at_tp_2_and_4_equal_tp_1_and_transformers(family, report)
     assert tokens_1 == want
     assert max(rel_error(a, b)[1] for (_, hf_steps), ours in zip(reference, logits_1)
                for a, b in zip(ours, hf_steps)) < 1e-4
-    for size in (2, 4):
+    for size in sizes[1:]:
         tokens, logits = results[size]
         assert tokens == want, f"TP {size} changed the greedy tokens"
         worst = max(rel_error(a, b)[1] for la, lb in zip(logits, logits_1) for a, b in zip(la, lb))
