@@ -108,8 +108,8 @@ def test_only_rows_with_a_matcher_are_constrained(compiler: GrammarCompiler) -> 
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path) -> Engine:  # noqa: F811
-    # 33 blocks, 4 sequences and 64 tokens per step: guided requests get preempted and chunked.
-    return Engine(str(tiny_dir), **ARGS)
+    # 25 blocks, 4 sequences and 64 tokens per step: guided requests get preempted and chunked.
+    return Engine(str(tiny_dir), **{**ARGS, "num_gpu_blocks_override": 25})
 
 
 def _check(kind: str, text: str) -> None:
@@ -142,7 +142,7 @@ def test_every_guided_output_validates_beside_free_requests_through_preemption(e
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, int(rng.integers(90, 130))).tolist() for _ in range(len(CASES) + 2)]
     # Two long free requests go first and hold most of the pool, so the guided ones joining them preempt.
-    free = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    free = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     alone = [engine.generate([p], free, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:2]]
     params = [SamplingParams(**{"max_tokens": 110, **kw}, structured_outputs=so) for so, kw in CASES.values()]
     preempted_before = engine.stats.preemptions
