@@ -70,6 +70,7 @@ class InputProcessor:
         self._seed_rng = np.random.default_rng(seed)
         self.grammar_timeout_s = grammar_timeout_s
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
+        self._grammars_lock = threading.Lock()
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the model's defaults, else paxserve's."""
@@ -117,7 +118,7 @@ class InputProcessor:
                         param: str = "structured_outputs") -> CompiledGrammar:
         """The request's compiled constraint (cached by constraint). Raises RequestError(param)."""
         tok = self.require_tokenizer(param)
-        with self._seed_lock:
+        with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(tok, self.vocab_size, timeout_s=self.grammar_timeout_s)
         try:

@@ -136,12 +136,6 @@ def _fill(lists: list[list[int]] | list[list[float]], num_rows: int, dtype: type
     return out
 
 
-def _fill_bitmask(matcher: Any, bitmask: np.ndarray, row: int) -> None:
-    """Write the tokens `matcher` accepts next into row `row` (llguidance writes the words in place)."""
-    out = bitmask[row]
-    matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-
-
 def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_size: int) -> SamplingInputs:
     """Per-row sampler inputs for `rows`, padded to `num_rows_padded`. Padding rows are greedy with
     no penalties, bias or suppression."""
@@ -191,8 +185,10 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
         suppress.append(ids)
         if p.logprobs is not None:
             max_logprobs = max(max_logprobs or 0, p.logprobs)
-        if row.matcher is not None:
-            _fill_bitmask(row.matcher, bitmask, i)
+        if row.matcher is not None:  # llguidance writes the row's words in place
+            from llguidance.numpy import fill_next_token_bitmask
+
+            fill_next_token_bitmask(row.matcher, bitmask, i)
     sampled = temperature > 0
     return SamplingInputs(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,

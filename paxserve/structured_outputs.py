@@ -4,7 +4,7 @@ JSON object, a regular expression, a choice of strings, or a Lark/GBNF grammar).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Kinds, in the order their fields are listed: exactly one is set.
@@ -28,6 +28,8 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    # (kind, canonical text), computed once: a schema of up to a megabyte is not re-serialized per use.
+    key: tuple[str, str] = field(init=False, repr=False, compare=False, default=("", ""))
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -53,6 +55,7 @@ class StructuredOutputsParams:
                     any(not isinstance(c, str) or not c for c in self.choice):
                 _fail("choice", self.choice, "must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+        object.__setattr__(self, "key", self._canonical())
         if len(self.key[1]) > MAX_SPEC_CHARS:
             raise ValueError(f"StructuredOutputsParams.{self.kind} is {len(self.key[1])} characters long; at most "
                              f"{MAX_SPEC_CHARS} are allowed")
@@ -61,8 +64,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    @property
-    def key(self) -> tuple[str, str]:
+    def _canonical(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints share one compiled grammar."""
         kind = self.kind
         if kind == "json":
