@@ -11,7 +11,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -159,19 +161,31 @@ def _restore_cached(entry: Path, abstract_of: Callable[[dict[str, Any]], Any]) -
 
 
 def _save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer: Any) -> None:
+    """Write the entry beside its final name and rename it into place, so that processes loading
+    the same file at once (replicas starting together) never read or overwrite a half-written one:
+    the first complete entry wins and the others drop theirs."""
     import orbax.checkpoint as ocp
 
+    staging = entry.parent / f".{entry.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        entry.mkdir(parents=True, exist_ok=True)
-        (entry / _COMPLETE).unlink(missing_ok=True)
+        staging.mkdir(parents=True)
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(entry / "params", params, force=True)
+            ckptr.save(staging / "params", params)
             ckptr.wait_until_finished()
-        (entry / "config.json").write_text(json.dumps(hf_config))
-        tokenizer.save_pretrained(str(entry / "tokenizer"))
-        (entry / _COMPLETE).write_text("ok")
+        (staging / "config.json").write_text(json.dumps(hf_config))
+        tokenizer.save_pretrained(str(staging / "tokenizer"))
+        (staging / _COMPLETE).write_text("ok")
+        if entry.exists() and not (entry / _COMPLETE).exists():  # a damaged entry: replace it
+            shutil.rmtree(entry, ignore_errors=True)
+        try:
+            staging.rename(entry)  # atomic; refused when another process's entry is already there
+        except OSError:
+            if not (entry / _COMPLETE).exists():
+                raise
     except Exception as e:  # noqa: BLE001 - caching is an optimisation; loading already succeeded
         logger.warning("could not write param cache to %s: %s", entry, e)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,

@@ -250,3 +250,35 @@ def test_unsupported_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match="tokenizer 'bert'"):
         tokenizer_from_gguf(GGUFCheckpoint(path))
+
+
+def test_param_cache_entries_appear_whole_when_written_twice_or_over_a_damaged_one(tmp_path: Path) -> None:
+    """Replicas starting together convert the same file at once: each writes its cache entry aside
+    and renames it into place, so a reader sees a whole entry or none, and the loser drops its copy.
+    An entry left without its completion mark (a crashed writer) is converted again and replaced."""
+    import jax
+
+    from models.loader import _COMPLETE, _gguf_cache_entry, _load_gguf, _save_cached
+
+    path = _convert(_random_model("qwen2", **CASES["qwen2"]), "qwen2", tmp_path / "tiny-qwen2.gguf")
+    cache = tmp_path / "cache"
+    params, hf_config, tokenizer, from_cache, _ = _load_gguf(path, "float32", cache, True)
+    entry = _gguf_cache_entry(path, "float32", cache)
+    assert not from_cache and (entry / _COMPLETE).exists()
+
+    class WriterMidway:  # the second writer, caught halfway through (params written, tokenizer next)
+        def save_pretrained(self, directory: str) -> None:
+            assert (entry / _COMPLETE).exists(), "a reader now would find no entry, or a torn one"
+            assert _load_gguf(path, "float32", cache, True)[3]
+            tokenizer.save_pretrained(directory)
+
+    _save_cached(entry, params, hf_config, WriterMidway())  # the slower of two writers: its entry is dropped
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name], "a staging directory was left"
+    again, _, _, from_cache, _ = _load_gguf(path, "float32", cache, True)
+    assert from_cache
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (entry / _COMPLETE).unlink()
+    assert not _load_gguf(path, "float32", cache, True)[3]  # damaged: converted again
+    assert _load_gguf(path, "float32", cache, True)[3] and (entry / _COMPLETE).exists()
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
