@@ -177,6 +177,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     tools.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="put the <think>...</think> text of reasoning models in the message's `reasoning` "
                             "field: deepseek_r1 (output starts inside <think>), qwen3")
+    net.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                     help="serve GET /tokenizer_info (special tokens, chat template, max length), which "
+                          "lm-evaluation-harness uses to tokenize through the server")
     net.add_argument("--enable-log-requests", action="store_true", help="log every request's prompt sizes "
                      "and sampling parameters")
     net.add_argument("--disable-log-stats", action="store_true",

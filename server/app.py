@@ -4,7 +4,8 @@
     web.run_app(app, handler_cancellation=True)  # serve.run_server does this with signals and logs
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+GET /metrics, POST /tokenize, POST /detokenize, GET /version, and GET /tokenizer_info when
+enabled.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def create_app(async_engine: Any, settings: ServerSettings | None = None) -> web
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    if settings.enable_tokenizer_info_endpoint:
+        app.router.add_get("/tokenizer_info", tokenizer_info)
     app.on_shutdown.append(_abort_in_flight)
     return app
 
@@ -205,3 +208,22 @@ async def detokenize(request: web.Request) -> web.Response:
     inputs = state.async_engine.input_processor
     text = await _on_worker(state, lambda: inputs.require_tokenizer("tokens").decode(ids))
     return web.json_response({"prompt": text})
+
+
+_INFO_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id", "pad_token_id",
+                "add_bos_token", "add_eos_token", "padding_side", "clean_up_tokenization_spaces")
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's /tokenizer_info: the tokenizer's class, special tokens and flags, the chat template the
+    server applies and the longest sequence it serves."""
+    state = request.app[STATE]
+    tok = state.async_engine.input_processor.require_tokenizer("tokenizer")
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+    for name in _INFO_FIELDS:
+        value = getattr(tok, name, None)
+        if value is None or isinstance(value, (str, int, bool)):
+            info[name] = value
+    info["chat_template"] = state.settings.chat_template or getattr(tok, "chat_template", None)
+    info["model_max_length"] = state.settings.max_model_len
+    return web.json_response(info)

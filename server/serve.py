@@ -63,7 +63,7 @@ def build_settings(args: argparse.Namespace, model_root: str | None, chat_templa
         trust_request_chat_template=args.trust_request_chat_template, max_stop_strings=args.max_stop_strings,
         body_timeout_s=args.http_body_timeout, log_requests=args.enable_log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
 
 

@@ -34,6 +34,9 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # splits <think> text into the message's `reasoning`
+    # GET /tokenizer_info (vLLM's, opt-in there too since it shows the chat template): lets
+    # lm-evaluation-harness' local-completions tokenize through the server, with no local files.
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

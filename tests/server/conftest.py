@@ -270,7 +270,7 @@ def server():
     calls in the model's own (Hermes) format parsed."""
     srv = start_server([*SMALL_ARGS, "--max-num-seqs", "32", "--served-model-name", MODEL_NAME,
                         "--api-key", API_KEY, "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-tokenizer-info-endpoint"],
                        api_key=API_KEY)
     yield srv
     srv.stop()

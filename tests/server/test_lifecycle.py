@@ -279,7 +279,8 @@ SERVE_FLAGS = ["--model", "--host", "--port", "--served-model-name", "--api-key"
                "--tensor-parallel-size", "--enable-expert-parallel", "--seed", "--chat-template", "--max-logprobs", "--max-num-queued-reqs",
                "--disable-log-stats", "--log-level", "--warmup", "--no-warmup", "--shutdown-timeout",
                "--trust-request-chat-template", "--max-stop-strings", "--timeout-keep-alive", "--http-header-timeout",
-               "--http-body-timeout"]
+               "--http-body-timeout", "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
+               "--enable-tokenizer-info-endpoint"]
 
 
 def test_help_explains_serve_and_every_flag() -> None:
