@@ -110,6 +110,11 @@ def aborted(srv: ServerProcess) -> float:
     return srv.metric("paxserve:request_success", 'finished_reason="abort"')
 
 
+def ended(srv: ServerProcess) -> float:
+    """Samples that reached the engine and ended, for any reason (aborted ones included)."""
+    return srv.metric("paxserve:request_success")
+
+
 # ---- raw HTTP ----------------------------------------------------------------------------------------
 
 
@@ -335,11 +340,17 @@ STORM_TIMEOUTS = [float(t) for t in np.geomspace(0.001, 0.5, 50)]
                          ids=["1ms-500ms-short", "500ms-long"])
 def test_cancel_storm_while_streams_run(server, ref, timeouts: list[float], storm_max_tokens: int) -> None:
     server.wait_idle()
-    aborted_before = aborted(server)
+    aborted_before, ended_before = aborted(server), ended(server)
     results, outcomes = asyncio.run(_storm(server, MODEL_NAME, timeouts, storm_max_tokens=storm_max_tokens))
     _check_storm(results, outcomes, 40)
-    # Many of them reached the engine (queued or running) before their client gave up.
-    assert aborted(server) - aborted_before >= (25 if min(timeouts) >= 0.5 else 5)
+    server.wait_idle()
+    if storm_max_tokens >= 400:  # none can finish in 0.5 s: many were queued or running when cancelled
+        assert aborted(server) - aborted_before >= 25
+    else:
+        # Short answers may finish before their client gives up (a fast machine); either way many
+        # storm requests reached the engine rather than dying while being parsed. The 8 streams
+        # are one sample each.
+        assert ended(server) - ended_before - len(results) >= 5
 
 
 
