@@ -151,7 +151,7 @@ def part_a(smoke: bool, interpret: bool) -> None:
     max_ctx = 40 if smoke else 700
     num_seqs = 4 if smoke else 24
     if smoke:  # the script's every path, not every variant: tests/pallas_kernels checks those on CPU
-        cases = [cases[0], cases[-1]]
+        cases = [cases[-1]]
     for label, dtype, bs, kvh, group, hd, window, cap, alibi in cases:
         p = ragged_problem(rng, num_seqs=num_seqs, block_size=bs, num_kv_heads=kvh, group=group, head_dim=hd,
                            dtype=dtype, max_ctx=max_ctx)

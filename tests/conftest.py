@@ -30,12 +30,40 @@ REPORT: list[tuple[str, str]] = []
 
 @pytest.fixture
 def report(request: pytest.FixtureRequest):
-    """Record a figure (e.g. max logit error) so the run's summary lists it."""
+    """Record a figure (e.g. max logit error) so the run's summary lists it. Kept in the test's
+    user_properties, which pytest-xdist carries from its workers to the process that prints."""
 
     def record(what: str) -> None:
-        REPORT.append((request.node.name, what))
+        request.node.user_properties.append((_FIGURE, what))
 
     return record
+
+
+_FIGURE = "paxserve figure"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        REPORT.extend((report.nodeid.rsplit("::", 1)[-1], what) for key, what in report.user_properties
+                      if key == _FIGURE)
+
+
+# Tests that time their clients, race timeouts or signal servers run alone, after the rest has run
+# on two workers (`-m "not serial"` with pytest-xdist, then `-m serial`): under a second busy
+# process their timings would measure the machine, not paxserve.
+SERIAL_FILES = ("test_robustness.py", "test_lifecycle.py", "test_watchdog.py", "test_fault_injection.py",
+                "test_transport.py", "test_async_engine.py", "test_chat_template.py", "test_serving_benchmark.py",
+                "test_soak_benchmark.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    present = {path.name for path in Path(__file__).resolve().parent.rglob("test_*.py")}
+    missing = set(SERIAL_FILES) - present
+    assert not missing, f"tests/conftest.py SERIAL_FILES names files that do not exist: {sorted(missing)}"
+    for item in items:
+        if Path(str(item.path)).name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -148,7 +148,7 @@ def test_engine_generate_matches_hf(hf_greedy, tmp_path) -> None:
 
     prompts, refs = hf_greedy
     engine = Engine(max_model_len=512, max_num_seqs=8, warmup=False, log_stats_interval=0,
-                    compilation_cache_dir="")
+                    compilation_cache_dir="", kv_cache_memory_bytes=64 * 2**20)
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     for out, ref in zip(outs, refs):
         assert out.outputs[0].token_ids == ref
