@@ -44,7 +44,8 @@ _FIGURE = "paxserve figure"
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call":
-        REPORT.extend((report.nodeid.rsplit("::", 1)[-1], what) for key, what in report.user_properties
+        name = report.nodeid.rsplit("::", 1)[-1].split("@", 1)[0]  # xdist's loadgroup appends "@group"
+        REPORT.extend((name, what) for key, what in report.user_properties
                       if key == _FIGURE)
 
 
@@ -64,6 +65,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(str(item.path)).name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
+        # With `--dist loadgroup`: a file's tests stay on one worker (its module fixtures are built
+        # once), and every test of the session's shared server on the same one (one server per run).
+        shared = "server" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("shared-server" if shared else str(item.path)))
 
 
 @pytest.fixture(scope="module", autouse=True)
