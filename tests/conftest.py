@@ -44,31 +44,27 @@ _FIGURE = "paxserve figure"
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call":
-        name = report.nodeid.rsplit("::", 1)[-1].split("@", 1)[0]  # xdist's loadgroup appends "@group"
-        REPORT.extend((name, what) for key, what in report.user_properties
+        REPORT.extend((report.nodeid.rsplit("::", 1)[-1], what) for key, what in report.user_properties
                       if key == _FIGURE)
 
 
-# Tests that time their clients, race timeouts or signal servers run alone, after the rest has run
-# on two workers (`-m "not serial"` with pytest-xdist, then `-m serial`): under a second busy
-# process their timings would measure the machine, not paxserve.
-SERIAL_FILES = ("test_robustness.py", "test_lifecycle.py", "test_watchdog.py", "test_fault_injection.py",
-                "test_transport.py", "test_async_engine.py", "test_chat_template.py", "test_serving_benchmark.py",
-                "test_soak_benchmark.py")
+# Server tests (one shared server process, clients timed, timeouts raced, signals sent) and the
+# other tests that time clients or race timeouts run alone, after the rest has run on two workers
+# (`-m "not serial"` with pytest-xdist, then `-m serial`): under a second busy process their timings
+# would measure the machine, not paxserve, and each worker would start its own shared server.
+SERIAL_DIRS = ("server",)
+SERIAL_FILES = ("test_async_engine.py", "test_chat_template.py", "test_serving_benchmark.py", "test_soak_benchmark.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    present = {path.name for path in Path(__file__).resolve().parent.rglob("test_*.py")}
-    missing = set(SERIAL_FILES) - present
+    tests_dir = Path(__file__).resolve().parent
+    missing = set(SERIAL_FILES) - {path.name for path in tests_dir.rglob("test_*.py")}
     assert not missing, f"tests/conftest.py SERIAL_FILES names files that do not exist: {sorted(missing)}"
     for item in items:
-        if Path(str(item.path)).name in SERIAL_FILES:
+        rel = Path(str(item.path)).resolve().relative_to(tests_dir)
+        if rel.parts[0] in SERIAL_DIRS or rel.name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
-        # With `--dist loadgroup`: a file's tests stay on one worker (its module fixtures are built
-        # once), and every test of the session's shared server on the same one (one server per run).
-        shared = "server" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("shared-server" if shared else str(item.path)))
 
 
 @pytest.fixture(scope="module", autouse=True)

