@@ -48,22 +48,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                       if key == _FIGURE)
 
 
-# Server tests (one shared server process, clients timed, timeouts raced, signals sent) and the
-# other tests that time clients or race timeouts run alone, after the rest has run on two workers
-# (`-m "not serial"` with pytest-xdist, then `-m serial`): under a second busy process their timings
-# would measure the machine, not paxserve, and each worker would start its own shared server.
-SERIAL_DIRS = ("server",)
-SERIAL_FILES = ("test_async_engine.py", "test_chat_template.py", "test_serving_benchmark.py", "test_soak_benchmark.py")
+# Tests that time their clients, race timeouts or signal servers run alone, after the rest has run
+# on two workers (`-m "not serial"` with pytest-xdist, then `-m serial`): under a second busy
+# process their timings would measure the machine, not paxserve.
+SERIAL_FILES = ("test_robustness.py", "test_lifecycle.py", "test_watchdog.py", "test_fault_injection.py",
+                "test_transport.py", "test_async_engine.py", "test_chat_template.py", "test_serving_benchmark.py",
+                "test_soak_benchmark.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests_dir = Path(__file__).resolve().parent
-    missing = set(SERIAL_FILES) - {path.name for path in tests_dir.rglob("test_*.py")}
+    present = {path.name for path in Path(__file__).resolve().parent.rglob("test_*.py")}
+    missing = set(SERIAL_FILES) - present
     assert not missing, f"tests/conftest.py SERIAL_FILES names files that do not exist: {sorted(missing)}"
     for item in items:
-        rel = Path(str(item.path)).resolve().relative_to(tests_dir)
-        if rel.parts[0] in SERIAL_DIRS or rel.name in SERIAL_FILES:
+        if Path(str(item.path)).name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
 
 
