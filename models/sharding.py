@@ -239,6 +239,11 @@ class TensorParallel:
     def kv_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, KV_CACHE_SPEC)
 
+    @property
+    def replicated(self) -> NamedSharding:
+        """Whole on every device of the mesh (the sampler's state: sampling runs alike everywhere)."""
+        return NamedSharding(self.mesh, P())
+
     def shard_forward(self, forward: Callable[..., Any], params: Any, kv_cache: Any, *,
                       attention_backend: Any) -> Callable[..., Any]:
         """`forward` run per device under `shard_map` on the local config: params and KV cache

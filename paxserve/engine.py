@@ -32,6 +32,7 @@ from paxserve.memory import plan_kv_cache
 from paxserve.model_runner import ModelRunner, measure_activation_bytes
 from paxserve.output_processor import OutputProcessor
 from paxserve.outputs import RequestOutput
+from paxserve.sampler import SamplerState
 from paxserve.sampling_metadata import SamplingRow, build_sampling_inputs
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
 from paxserve.scheduler import Scheduler, SchedulerConfig
@@ -110,8 +111,14 @@ class Engine:
                         "head(s)%s", tp.size, weight_bytes / 2**30, info.weight_bytes / 2**30, local_cfg.num_kv_heads,
                         info.config.num_kv_heads, "" if tp.kv_replicas == 1 else
                         f" (each KV head repeated on {tp.kv_replicas} devices)")
+        # Penalty counts, logit bias and prompt / held-back token sets of every running request, on
+        # each device (sampling runs alike on all of them).
+        sampler_bytes = SamplerState.num_bytes(config.max_num_seqs + 1, info.config.vocab_size)
+        logger.info("sampler state: %d rows x %d tokens = %.1f MiB%s", config.max_num_seqs + 1,
+                    info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
         self.plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes,
-                                  activation_bytes, num_devices=1 if tp is None else tp.size)
+                                  activation_bytes, num_devices=1 if tp is None else tp.size,
+                                  sampler_state_bytes=sampler_bytes)
         self.model = load_model(model, config.dtype, tokenizer=config.tokenizer,
                                 tensor_parallel_size=config.tensor_parallel_size,
                                 enable_expert_parallel=config.enable_expert_parallel)
@@ -129,7 +136,7 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len), self.kv
         )
         self.runner = ModelRunner(self.model, self.plan.num_blocks, config.block_size, self.max_model_len,
-                                  attention_backend=self.attention_backend)
+                                  attention_backend=self.attention_backend, max_num_seqs=config.max_num_seqs)
         self.stats = StatsLogger(config.log_stats_interval)
         self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,

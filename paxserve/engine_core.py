@@ -17,11 +17,18 @@ import logging
 
 from paxserve.batch import SeqChunk
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
+from paxserve.input_batch import InputBatch
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.model_runner import ModelRunner
 from paxserve.prompt_logprobs import PromptLogprobsBuffer, build_prompt_logprobs_inputs, fill_prompt_logprobs
 from paxserve.request import Request, RequestStatus
-from paxserve.sampling_metadata import SampledTokens, SamplingRow, build_sampling_inputs
+from paxserve.sampling_metadata import (
+    SampledTokens,
+    SamplingRow,
+    build_sampling_inputs,
+    build_state_writes,
+    needs_state,
+)
 from paxserve.scheduler import Scheduler, SchedulerOutput
 from paxserve.stats import StatsLogger
 
@@ -41,6 +48,10 @@ class EngineCore:
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.stats = stats
+        self.input_batch = InputBatch(scheduler.config.max_num_seqs)
+        if runner.num_state_rows != self.input_batch.num_rows:
+            raise ValueError(f"the model runner has {runner.num_state_rows} sampler-state rows for "
+                             f"{self.input_batch.num_rows - 1} sequences: build both from the same max_num_seqs")
         self._samples: dict[str, list[str]] = {}  # user request id -> ids of its unfinished samples
         self.num_failed_steps = 0
         self.num_kv_cache_resets = 0
@@ -112,6 +123,8 @@ class EngineCore:
     def step(self) -> list[SampleOutput]:
         """Schedule, run the model once, and report each sample that got a token or finished."""
         out = self.scheduler.schedule()
+        for request_id in out.left_running_ids:
+            self.input_batch.remove(request_id)
         self.last_num_scheduled = len(out.scheduled)
         if not out.scheduled:
             self.stats.on_step(0, 0, len(out.preempted))
@@ -141,11 +154,23 @@ class EngineCore:
             for s in out.scheduled
         ]
         batch = self.runner.build(chunks)
-        # A matcher fills its bitmask row only where the step samples a token that is kept.
-        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
-                            s.request.seed, s.request.eos_token_ids,
-                            matcher=s.request.matcher if s.request.num_computed_tokens + s.num_new_tokens
-                            == s.request.num_tokens else None) for s in out.scheduled]
+        rows, writes = [], []
+        for s in out.scheduled:
+            r = s.request
+            # The token is kept only where the step completes the request's known tokens; a matcher
+            # fills its bitmask row only then.
+            keep = r.num_computed_tokens + s.num_new_tokens == r.num_tokens
+            row = SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.seed, r.eos_token_ids,
+                              matcher=r.matcher if keep else None, keep=keep)
+            starts = r.request_id not in self.input_batch
+            if starts:
+                self.input_batch.add(r.request_id, needs_state(r.sampling_params, r.eos_token_ids))
+            row.state_row = self.input_batch.state_row(r.request_id)
+            if starts and row.state_row:  # (re)write its state: counts from its output so far
+                writes.append((row.state_row, row))
+            rows.append(row)
+        if writes:
+            self.runner.write_sampler_state(build_state_writes(writes, self.input_batch.num_rows, self.vocab_size))
         sampling = build_sampling_inputs(rows, batch.context_lens.shape[0], self.vocab_size)
         buffers = [s.request.prompt_logprobs for s in out.scheduled]
         prompt = build_prompt_logprobs_inputs(

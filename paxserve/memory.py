@@ -1,6 +1,7 @@
 """KV-cache memory planning: how many blocks fit, decided before the weights are loaded.
 
-Budget = gpu_memory_utilization x device memory - weights - activation peak on an accelerator, a
+Budget = gpu_memory_utilization x device memory - weights - activation peak - the sampler's
+per-request state on an accelerator, a
 fixed host budget on CPU, or the explicit `kv_cache_memory_bytes` / `num_gpu_blocks_override`.
 A max_model_len request that cannot fit fails here, with the numbers and what to change.
 """
@@ -49,6 +50,7 @@ def plan_kv_cache(
     device_bytes: int | None,
     activation_bytes: int = 0,
     num_devices: int = 1,
+    sampler_state_bytes: int = 0,
 ) -> KVCachePlan:
     """`device_bytes` is the accelerator's memory, or None on CPU. Under tensor parallelism `cfg`
     is one device's share and every budget is per device (as vLLM's --kv-cache-memory-bytes and
@@ -67,14 +69,16 @@ def plan_kv_cache(
                 "the CPU KV-cache budget (set kv_cache_memory_bytes to change)"
         else:
             usable = int(config.gpu_memory_utilization * device_bytes)
-            budget = usable - weight_bytes - activation_bytes
+            budget = usable - weight_bytes - activation_bytes - sampler_state_bytes
             source = (f"gpu_memory_utilization {config.gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB "
-                      f"- weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB")
+                      f"- weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB "
+                      f"- sampler state {sampler_state_bytes / GiB:.2f} GiB")
             if budget < per_block:  # a shorter max_model_len cannot help: the model itself does not fit
                 where = "per device" if num_devices > 1 else "on the device"
                 raise ValueError(
                     f"the model does not fit: its weights take {weight_bytes / GiB:.2f} GiB {where} and the largest "
-                    f"step's activations {activation_bytes / GiB:.2f} GiB, leaving no KV-cache memory within "
+                    f"step's activations {activation_bytes / GiB:.2f} GiB (plus {sampler_state_bytes / GiB:.2f} GiB "
+                    f"of per-request sampler state), leaving no KV-cache memory within "
                     f"gpu_memory_utilization {config.gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB = "
                     f"{usable / GiB:.2f} GiB. Split it over more devices (--tensor-parallel-size), use a smaller "
                     f"--dtype, or raise --gpu-memory-utilization")

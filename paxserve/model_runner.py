@@ -1,7 +1,9 @@
-"""Runs one padded batch through the jitted model step, owning the device-side KV cache.
+"""Runs one padded batch through the jitted model step, owning the device-side KV cache and the
+sampler's per-request state.
 
-Shapes are bucketed to powers of two (tokens x sequences x block-table width) so XLA compiles a
-bounded set of programs; each new bucket is logged when it compiles.
+Shapes are bucketed to powers of two (tokens x sequences x block-table width), and those three are
+the only compile keys: every sampler feature is runtime data (see `sampling_metadata`), so XLA
+compiles a bounded set of programs; each new bucket is logged when it compiles.
 """
 
 from __future__ import annotations
@@ -18,9 +20,17 @@ from jaxtyping import Array, Int
 from models.loader import LoadedModel
 from models.sharding import TensorParallel
 from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
-from paxserve.prompt_logprobs import PromptLogprobsInputs, prompt_packed_width
-from paxserve.sampler import SamplingMetadata, prompt_logprob_columns, sample
-from paxserve.sampling_metadata import SampledTokens, SamplingInputs, unpack
+from paxserve.prompt_logprobs import PROMPT_PACKED_WIDTH, PromptLogprobsInputs
+from paxserve.sampler import (
+    SamplerState,
+    SamplingMetadata,
+    prompt_logprob_columns,
+    sample,
+    state_writes_args,
+    write_state_rows,
+)
+from paxserve.sampling_metadata import PACKED_WIDTH, SampledTokens, SamplingInputs, StateWrites, unpack
+from paxserve.sampling_params import MAX_LOGPROBS
 from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)
@@ -55,13 +65,14 @@ def _jitted_step(forward: Callable[..., Any]) -> Callable[..., Any]:
     Under tensor parallelism the forward runs split over the mesh and sampling runs on the
     gathered full-vocabulary logits, alike on every device."""
 
-    def step(params, kv_cache, input_ids, positions, metadata, sampling, cfg,  # noqa: ANN001, ANN202
+    def step(params, kv_cache, sampler_state, input_ids, positions, metadata, sampling, cfg,  # noqa: ANN001, ANN202
              attention_backend=REFERENCE, tp=None):  # noqa: ANN001
         logits, kv_cache = _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,
                                         attention_backend, tp)
-        return sample(logits, sampling), kv_cache
+        packed, sampler_state = sample(logits, sampling, sampler_state)
+        return packed, kv_cache, sampler_state
 
-    return jax.jit(step, static_argnames=_STATIC, donate_argnums=(1,))
+    return jax.jit(step, static_argnames=_STATIC, donate_argnums=(1, 2))
 
 
 @cache
@@ -69,20 +80,26 @@ def _jitted_prompt_logprobs_step(forward: Callable[..., Any]) -> Callable[..., A
     """The step of a batch in which some request asks for prompt logprobs: the forward returns
     logits for every token position ([T, V] float32, the memory cost that only such batches pay),
     the sequences' rows are sampled as in `_jitted_step`, and every position gets its prompt-logprob
-    columns. Both results leave the device as one flat float32 array (one host copy). It goes
-    through the same `_run_forward`, so tensor parallelism gathers the logits as usual."""
+    columns (the top MAX_LOGPROBS, whatever the requests asked: the host keeps what each asked for,
+    and the width is no compile key). Both results leave the device as one flat float32 array (one
+    host copy). It goes through the same `_run_forward`, so tensor parallelism gathers the logits
+    as usual."""
 
-    def step(params, kv_cache, input_ids: Int[Array, " T"], positions: Int[Array, " T"],  # noqa: ANN001, ANN202
-             metadata: AttentionMetadata, sampling: SamplingMetadata, targets: Int[Array, " T"], cfg,  # noqa: ANN001
-             num_top: int, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+    def step(params, kv_cache, sampler_state, input_ids: Int[Array, " T"],  # noqa: ANN001, ANN202
+             positions: Int[Array, " T"], metadata: AttentionMetadata, sampling: SamplingMetadata,
+             targets: Int[Array, " T"], cfg, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
         every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
         logits, kv_cache = _run_forward(forward, params, kv_cache, input_ids, positions, every, cfg,
                                         attention_backend, tp)
-        sampled = sample(logits[metadata.logits_indices], sampling)
-        prompt = prompt_logprob_columns(logits, targets, num_top)
-        return jnp.concatenate([sampled.reshape(-1), prompt.reshape(-1)]), kv_cache
+        sampled, sampler_state = sample(logits[metadata.logits_indices], sampling, sampler_state)
+        prompt = prompt_logprob_columns(logits, targets, MAX_LOGPROBS)
+        return jnp.concatenate([sampled.reshape(-1), prompt.reshape(-1)]), kv_cache, sampler_state
 
-    return jax.jit(step, static_argnames=(*_STATIC, "num_top"), donate_argnums=(1,))
+    return jax.jit(step, static_argnames=_STATIC, donate_argnums=(1, 2))
+
+
+# Rewrites whole rows of the sampler state in place (compiled once per power of two of rows).
+_write_state_rows = jax.jit(write_state_rows, donate_argnums=(0,))
 
 
 def _metadata(batch: Batch) -> AttentionMetadata:
@@ -96,20 +113,25 @@ def _metadata(batch: Batch) -> AttentionMetadata:
 
 
 class ModelRunner:
-    """Params + KV cache + jitted steps. The cache is donated to every step and replaced by the
-    step's output, so XLA updates it in place."""
+    """Params + KV cache + sampler state + jitted steps. The cache and the state are donated to every
+    step and replaced by its outputs, so XLA updates them in place."""
 
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None,
-                 attention_backend: AttentionBackend = REFERENCE) -> None:
+                 attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.attention_backend = attention_backend  # static argument of every jitted step
         self.max_blocks_per_seq = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
         self._num_blocks = num_blocks
+        # Row 0 is the all-zero row of requests without state; each running request may hold one more.
+        self.num_state_rows = max_num_seqs + 1
         self.kv_cache = self._new_kv_cache()
+        self.sampler_state = self._new_sampler_state()
         self.buckets: set[tuple] = set()  # compiled step shapes, for the log and for tests
 
     def _new_kv_cache(self) -> KVCache:
@@ -123,15 +145,21 @@ class ModelRunner:
                                      cfg.head_dim, jnp.dtype(self.model.dtype))
         return jax.jit(make, out_shardings=KVCache(k=tp.kv_sharding, v=tp.kv_sharding))()
 
+    def _new_sampler_state(self) -> SamplerState:
+        make = lambda: SamplerState.zeros(self.num_state_rows, self.model.config.vocab_size)  # noqa: E731
+        tp = self.model.tp
+        # Under tensor parallelism sampling runs alike on every device, on the gathered logits.
+        return make() if tp is None else jax.jit(make, out_shardings=tp.replicated)()
+
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
     def kv_cache_intact(self) -> bool:
-        """Whether the cache still exists and holds a value: a step it was donated to may have
-        deleted it, or left it poisoned by an asynchronous runtime error."""
+        """Whether the cache and the sampler state still exist and hold a value: a step they were
+        donated to may have deleted them, or left them poisoned by an asynchronous runtime error."""
         try:
-            leaves = jax.tree.leaves(self.kv_cache)
+            leaves = jax.tree.leaves((self.kv_cache, self.sampler_state))
             if any(leaf.is_deleted() for leaf in leaves):
                 return False
             jax.block_until_ready(leaves)
@@ -140,13 +168,15 @@ class ModelRunner:
             return False
 
     def reset_kv_cache(self) -> None:
-        """Replace a lost cache with a zeroed one of the same shape (its old contents are gone)."""
-        for leaf in jax.tree.leaves(self.kv_cache):
+        """Replace a lost cache and sampler state with zeroed ones of the same shape (their old
+        contents are gone: every running request must be recomputed)."""
+        for leaf in jax.tree.leaves((self.kv_cache, self.sampler_state)):
             try:
                 leaf.delete()  # free device memory first, so old and new never coexist
             except Exception:  # noqa: BLE001 - already deleted or never materialised
                 pass
         self.kv_cache = self._new_kv_cache()
+        self.sampler_state = self._new_sampler_state()
 
     def build(self, chunks: list[SeqChunk]) -> Batch:
         """Pad a batch to its bucket: powers of two in tokens, sequences and block-table width."""
@@ -174,43 +204,39 @@ class ModelRunner:
         )
         return np.asarray(logits[: batch.num_seqs])
 
+    def write_sampler_state(self, writes: StateWrites) -> None:
+        """Set the state rows of requests that start running (before the step that first samples
+        them)."""
+        self.sampler_state = _write_state_rows(self.sampler_state, *state_writes_args(writes))
+
     def execute(self, batch: Batch, sampling: SamplingInputs) -> SampledTokens:
         """One engine step: forward, sample on the device, one device-to-host copy."""
-        self._note_bucket((batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
-                           sampling.all_greedy, sampling.use_top_k_top_p, sampling.use_penalties,
-                           sampling.num_logprobs, sampling.output_token_ids.shape[1],
-                           sampling.prompt_token_ids.shape[1], sampling.logit_bias_ids.shape[1],
-                           sampling.suppress_ids.shape[1]))
-        packed, self.kv_cache = _jitted_step(self.model.architecture.forward)(
-            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=self.model.config,
-            attention_backend=self.attention_backend, tp=self.model.tp,
+        self._note_bucket((batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]))
+        packed, self.kv_cache, self.sampler_state = _jitted_step(self.model.architecture.forward)(
+            self.model.params, self.kv_cache, self.sampler_state, jnp.asarray(batch.input_ids),
+            jnp.asarray(batch.positions), _metadata(batch), SamplingMetadata.from_inputs(sampling),
+            cfg=self.model.config, attention_backend=self.attention_backend, tp=self.model.tp,
         )
-        return unpack(np.asarray(packed), batch.num_seqs, sampling.num_logprobs)
+        return unpack(np.asarray(packed), batch.num_seqs)
 
     def execute_with_prompt_logprobs(self, batch: Batch, sampling: SamplingInputs,
                                      prompt: PromptLogprobsInputs) -> tuple[SampledTokens, np.ndarray]:
-        """`execute` plus prompt logprobs: also returns the packed [T, 2 + 2 * num_top] float32 rows
-        of every flat position (see `prompt_logprobs.prompt_packed_width`). Its programs are keyed
-        by the plain step's bucket plus num_top (5 or 20)."""
+        """`execute` plus prompt logprobs: also returns the packed [T, PROMPT_PACKED_WIDTH] float32
+        rows of every flat position. Its programs are keyed by the plain step's bucket alone."""
         t, s = batch.input_ids.shape[0], batch.context_lens.shape[0]
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
-        self._note_bucket(("prompt_logprobs", prompt.num_top, t, s, batch.block_tables.shape[1], sampling.all_greedy,
-                           sampling.use_top_k_top_p, sampling.use_penalties, sampling.num_logprobs,
-                           sampling.output_token_ids.shape[1], sampling.prompt_token_ids.shape[1],
-                           sampling.logit_bias_ids.shape[1], sampling.suppress_ids.shape[1]))
-        packed, self.kv_cache = _jitted_prompt_logprobs_step(self.model.architecture.forward)(
-            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            _metadata(batch), SamplingMetadata.from_inputs(sampling), jnp.asarray(prompt.targets),
-            cfg=self.model.config, num_top=prompt.num_top, attention_backend=self.attention_backend,
+        self._note_bucket(("prompt_logprobs", t, s, batch.block_tables.shape[1]))
+        packed, self.kv_cache, self.sampler_state = _jitted_prompt_logprobs_step(self.model.architecture.forward)(
+            self.model.params, self.kv_cache, self.sampler_state, jnp.asarray(batch.input_ids),
+            jnp.asarray(batch.positions), _metadata(batch), SamplingMetadata.from_inputs(sampling),
+            jnp.asarray(prompt.targets), cfg=self.model.config, attention_backend=self.attention_backend,
             tp=self.model.tp,
         )
         flat = np.asarray(packed)
-        num_sampled = s * sampling.packed_width
-        sampled = unpack(flat[:num_sampled].reshape(s, sampling.packed_width), batch.num_seqs,
-                         sampling.num_logprobs)
-        return sampled, flat[num_sampled:].reshape(t, prompt_packed_width(prompt.num_top))
+        num_sampled = s * PACKED_WIDTH
+        sampled = unpack(flat[:num_sampled].reshape(s, PACKED_WIDTH), batch.num_seqs)
+        return sampled, flat[num_sampled:].reshape(t, PROMPT_PACKED_WIDTH)
 
 
 def measure_activation_bytes(
@@ -219,7 +245,8 @@ def measure_activation_bytes(
 ) -> int:
     """Temporary memory XLA plans for the largest step bucket, from shapes alone (no weights are
     needed), so memory planning can reserve it before the KV cache takes the rest (per device,
-    under tensor parallelism)."""
+    under tensor parallelism). The one program holds every sampler stage (penalties, filters,
+    logprobs), so its peak is that of the heaviest mix of requests."""
     from paxserve.sampling_metadata import SamplingRow, build_sampling_inputs
     from paxserve.sampling_params import SamplingParams
 
@@ -232,13 +259,16 @@ def measure_activation_bytes(
                  v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding))
     params = architecture.abstract_params(cfg, dtype) if tp is None else \
         tp.abstract_params(lambda c: architecture.abstract_params(c, dtype))
+    state = jax.eval_shape(lambda: SamplerState.zeros(max_seqs + 1, cfg.vocab_size))
+    if tp is not None:
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tp.replicated), state)
     chunk = SeqChunk([0], 0, [1])
     batch = build_batch([chunk], block_size, pad_tokens_to=num_tokens, pad_seqs_to=num_seqs,
                         pad_blocks_to=max_blocks_per_seq)
     sampling = build_sampling_inputs([SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), [0], [], 0, ())],
                                      num_seqs, cfg.vocab_size)
     lowered = _jitted_step(architecture.forward).lower(
-        params, kv, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+        params, kv, state, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
         _metadata(batch), SamplingMetadata.from_inputs(sampling), cfg=cfg, attention_backend=attention_backend, tp=tp,
     )
     analysis = lowered.compile().memory_analysis()

@@ -17,22 +17,11 @@ import numpy as np
 
 from paxserve.sampling_params import MAX_LOGPROBS
 
-# The step variant's top-k width (a compile key). Unlike the sampler's 1/5/20 there is no 1: next
-# to the [T, V] log_softmax and rank count a top-5 costs the same as a top-1, so a smaller bucket
-# would only add programs.
-PROMPT_LOGPROB_BUCKETS = (5, MAX_LOGPROBS)
 
-
-def bucket_prompt_logprobs(n: int) -> int:
-    if not 0 <= n <= MAX_LOGPROBS:
-        raise ValueError(f"prompt logprobs must be in [0, {MAX_LOGPROBS}], got {n}")
-    return next(b for b in PROMPT_LOGPROB_BUCKETS if b >= n)
-
-
-def prompt_packed_width(num_top: int) -> int:
-    """Columns per position of the device's packed output: the actual token's logprob, its rank,
-    `num_top` top ids and their logprobs."""
-    return 2 + 2 * num_top
+# Columns per position of the device's packed output: the actual token's logprob, its rank, the
+# MAX_LOGPROBS top ids and their logprobs. Always the most a request may ask for, so the width is no
+# compile key; the buffer keeps what its request asked for.
+PROMPT_PACKED_WIDTH = 2 + 2 * MAX_LOGPROBS
 
 
 @dataclass(slots=True)
@@ -74,7 +63,7 @@ class PromptLogprobsBuffer:
 
     def fill(self, lo: int, rows: np.ndarray) -> None:
         """Store the packed device rows of positions [lo, lo + len(rows)) (columns as in
-        `prompt_packed_width`); they must continue exactly where the buffer stands."""
+        `PROMPT_PACKED_WIDTH`); they must continue exactly where the buffer stands."""
         if lo != self.num_filled or lo + len(rows) > self.num_prompt_tokens - 1:
             raise ValueError(f"prompt logprob rows for positions [{lo}, {lo + len(rows)}) do not continue the "
                              f"{self.num_filled} filled of {self.num_prompt_tokens - 1}")
@@ -92,7 +81,6 @@ class PromptLogprobsInputs:
     """Per-step device inputs of the prompt-logprobs step variant."""
 
     targets: np.ndarray  # i32 [T]: the token each flat position's logits score (0 where unused)
-    num_top: int  # static: the batch's largest request, bucketed to PROMPT_LOGPROB_BUCKETS
     # Per scheduled row: (flat index of position lo, lo, hi), or None when the row needs nothing.
     spans: list[tuple[int, int, int] | None]
 
@@ -100,8 +88,6 @@ class PromptLogprobsInputs:
         if self.targets.ndim != 1 or self.targets.dtype != np.int32:
             raise ValueError(f"PromptLogprobsInputs.targets must be int32 [T], got {self.targets.dtype} "
                              f"{self.targets.shape}")
-        if self.num_top < 1:
-            raise ValueError(f"PromptLogprobsInputs.num_top must be >= 1, got {self.num_top}")
 
 
 def build_prompt_logprobs_inputs(
@@ -112,7 +98,6 @@ def build_prompt_logprobs_inputs(
     plain program and pay nothing."""
     targets = np.zeros(num_tokens_padded, np.int32)
     spans: list[tuple[int, int, int] | None] = []
-    num_top: int | None = None
     flat = 0
     for buffer, prompt_ids, start, num_new in chunks:
         span = None
@@ -122,12 +107,11 @@ def build_prompt_logprobs_inputs(
                 at = flat + lo - start
                 targets[at : at + hi - lo] = prompt_ids[lo + 1 : hi + 1]
                 span = (at, lo, hi)
-                num_top = max(num_top or 0, buffer.num_top)
         spans.append(span)
         flat += num_new
-    if num_top is None:
+    if all(span is None for span in spans):
         return None
-    return PromptLogprobsInputs(targets, bucket_prompt_logprobs(num_top), spans)
+    return PromptLogprobsInputs(targets, spans)
 
 
 def fill_prompt_logprobs(buffers: list[PromptLogprobsBuffer | None], inputs: PromptLogprobsInputs,

@@ -1,14 +1,17 @@
 """On-device sampling, run inside the jitted step right after the model's forward.
 
 Order (vLLM's): logit bias, min_tokens suppression, repetition / frequency / presence penalties,
-the structured-output token bitmask;
-greedy rows take the argmax of those processed logits; sampled rows divide by temperature, apply
-top-k, top-p and min-p, then draw with the Gumbel-max trick. The draw's key comes only from the
-row's (seed, step), so a seeded request samples the same tokens whatever shares its batch.
+the structured-output token bitmask; greedy rows take the argmax of those processed logits; sampled
+rows divide by temperature, apply top-k, top-p and min-p, then draw with the Gumbel-max trick. The
+draw's key comes only from the row's (seed, step), so a seeded request samples the same tokens
+whatever shares its batch.
 
-Every optional stage leaves a row that does not use it bit-for-bit unchanged, so a row's result
-does not depend on which compiled variant (see `sampling_metadata`) its batch mates select.
-Logprobs are of the raw model logits, before any processing, as vLLM returns by default.
+Every feature is runtime data (see `sampling_metadata`): one program serves every mix of requests.
+The costly stages (the per-request state, the random draw, the vocabulary sort behind the filters,
+the top logprobs) run under `lax.cond` on whether any row of the step uses them, so a step of plain
+greedy rows pays for none of them, and a row that does not use a stage leaves it bit-for-bit
+unchanged, so its result does not depend on what its batch mates use. Logprobs are of the raw model
+logits, before any processing, as vLLM returns by default.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int, UInt32
+from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from paxserve.sampling_metadata import SamplingInputs
+from paxserve.sampling_metadata import SamplingInputs, StateWrites, bitmask_width
+from paxserve.sampling_params import MAX_LOGPROBS
 
 
 @struct.dataclass
 class SamplingMetadata:
-    """Device copy of `SamplingInputs`: arrays are pytree leaves, flags are static (compile keys)."""
+    """Device copy of `SamplingInputs` (every field an array: nothing here is a compile key)."""
 
     temperature: Float[Array, " S"]
     top_k: Int[Array, " S"]
@@ -37,54 +41,90 @@ class SamplingMetadata:
     presence_penalty: Float[Array, " S"]
     frequency_penalty: Float[Array, " S"]
     repetition_penalty: Float[Array, " S"]
-    output_token_ids: Int[Array, "S Lo"]
-    prompt_token_ids: Int[Array, "S Lp"]
-    logit_bias_ids: Int[Array, "S Lb"]
-    logit_bias_values: Float[Array, "S Lb"]
-    suppress_ids: Int[Array, "S Ls"]
+    logprobs: Bool[Array, " S"]
+    state_row: Int[Array, " S"]
+    keep: Bool[Array, " S"]
     allowed_token_bitmask: Int[Array, "S W"]
-    all_greedy: bool = struct.field(pytree_node=False)
-    use_top_k_top_p: bool = struct.field(pytree_node=False)
-    use_penalties: bool = struct.field(pytree_node=False)
-    num_logprobs: int = struct.field(pytree_node=False)
 
     @classmethod
     def from_inputs(cls, inputs: SamplingInputs) -> "SamplingMetadata":
-        values = {}
-        for f in dataclasses.fields(cls):
-            value = getattr(inputs, f.name)
-            values[f.name] = jnp.asarray(value) if f.metadata.get("pytree_node", True) else value
-        return cls(**values)
+        return cls(**{f.name: jnp.asarray(getattr(inputs, f.name)) for f in dataclasses.fields(cls)})
 
 
-def _row_ids(ids: Int[Array, "S L"], vocab_size: int) -> tuple[Int[Array, "S 1"], Int[Array, "S L"]]:
-    """Row and column indices for a scatter. Padding (-1) becomes out of range so `mode="drop"`
-    skips it; left negative, JAX would wrap it round to the last token."""
-    rows = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
-    return rows, jnp.where(ids >= 0, ids, vocab_size)
+@struct.dataclass
+class SamplerState:
+    """Per-request sampling state that outlives a step, one row per running request that needs it
+    (row 0 stays all zeros: the row of every request that needs none). Passed to and returned by
+    every step, donated like the KV cache."""
+
+    counts: Int[Array, "R V"]  # how often each token is in the request's output
+    prompt_mask: Int[Array, "R W"]  # packed bits: the prompt's tokens (repetition penalty)
+    bias: Float[Array, "R V"]  # logit_bias, dense
+    suppress_mask: Int[Array, "R W"]  # packed bits: held back while step < min_tokens
+
+    @classmethod
+    def zeros(cls, num_rows: int, vocab_size: int) -> "SamplerState":
+        w = bitmask_width(vocab_size)
+        return cls(counts=jnp.zeros((num_rows, vocab_size), jnp.int32), prompt_mask=jnp.zeros((num_rows, w), jnp.int32),
+                   bias=jnp.zeros((num_rows, vocab_size), jnp.float32),
+                   suppress_mask=jnp.zeros((num_rows, w), jnp.int32))
+
+    @staticmethod
+    def num_bytes(num_rows: int, vocab_size: int) -> int:
+        return num_rows * 4 * (2 * vocab_size + 2 * bitmask_width(vocab_size))
+
+    @property
+    def num_rows(self) -> int:
+        return self.counts.shape[0]
 
 
-def _apply_penalties(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
-    s, v = logits.shape
-    rows, out_ids = _row_ids(md.output_token_ids, v)
-    counts = jnp.zeros((s, v), jnp.int32).at[rows, out_ids].add(1, mode="drop")
-    _, prompt_ids = _row_ids(md.prompt_token_ids, v)
-    seen = jnp.zeros((s, v), bool).at[rows, prompt_ids].set(True, mode="drop") | (counts > 0)
-    rep = md.repetition_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - md.frequency_penalty[:, None] * counts.astype(logits.dtype)
-    return logits - md.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+def write_state_rows(state: SamplerState, rows: Int[Array, " K"], counts: Int[Array, "K V"],
+                     prompt_mask: Int[Array, "K W"], bias: Float[Array, "K V"],
+                     suppress_mask: Int[Array, "K W"]) -> SamplerState:
+    """Overwrite whole rows of the state (rows past its end are padding and dropped)."""
+    return SamplerState(counts=state.counts.at[rows].set(counts, mode="drop"),
+                        prompt_mask=state.prompt_mask.at[rows].set(prompt_mask, mode="drop"),
+                        bias=state.bias.at[rows].set(bias, mode="drop"),
+                        suppress_mask=state.suppress_mask.at[rows].set(suppress_mask, mode="drop"))
 
 
-def apply_penalties_and_bias(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
-    """The argmax-changing processing every row gets: bias, min_tokens suppression, penalties."""
+def state_writes_args(writes: StateWrites) -> tuple[jax.Array, ...]:
+    return tuple(jnp.asarray(a) for a in (writes.rows, writes.counts, writes.prompt_mask, writes.bias,
+                                          writes.suppress_mask))
+
+
+def unpack_bits(words: Int[Array, "S W"], vocab_size: int) -> Bool[Array, "S V"]:
+    """Packed int32 words -> one bool per token (bit t of word t//32)."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def apply_penalties_and_bias(logits: Float[Array, "S V"], md: SamplingMetadata,
+                             state: SamplerState) -> Float[Array, "S V"]:
+    """The argmax-changing processing of rows with sampler state: bias, min_tokens suppression,
+    penalties. Skipped when no row of the step has state; a row without state reads the all-zero
+    row 0 and neutral penalties, which change nothing."""
     v = logits.shape[1]
-    rows, bias_ids = _row_ids(md.logit_bias_ids, v)
-    logits = logits.at[rows, bias_ids].add(md.logit_bias_values, mode="drop")
-    active = (md.step < md.min_tokens)[:, None] & (md.suppress_ids >= 0)
-    _, suppress_ids = _row_ids(jnp.where(active, md.suppress_ids, -1), v)
-    logits = logits.at[rows, suppress_ids].set(-jnp.inf, mode="drop")
-    return _apply_penalties(logits, md) if md.use_penalties else logits
+
+    def process(x: Float[Array, "S V"]) -> Float[Array, "S V"]:
+        rows = md.state_row
+        x = x + state.bias[rows]
+        held = unpack_bits(state.suppress_mask[rows], v) & (md.step < md.min_tokens)[:, None]
+        x = jnp.where(held, -jnp.inf, x)
+        counts = state.counts[rows]
+        seen = unpack_bits(state.prompt_mask[rows], v) | (counts > 0)
+        rep = md.repetition_penalty[:, None]
+        x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+        x = x - md.frequency_penalty[:, None] * counts.astype(x.dtype)
+        return x - md.presence_penalty[:, None] * (counts > 0).astype(x.dtype)
+
+    return jax.lax.cond(jnp.any(md.state_row > 0), process, lambda x: x, logits)
+
+
+def count_kept_tokens(state: SamplerState, md: SamplingMetadata, tokens: Int[Array, " S"]) -> SamplerState:
+    """Add each kept token to its row's counts, so the next step's penalties see it."""
+    rows = jnp.where((md.state_row > 0) & md.keep, md.state_row, state.num_rows)  # past the end: dropped
+    return state.replace(counts=state.counts.at[rows, tokens].add(1, mode="drop"))
 
 
 def apply_token_bitmask(processed: Float[Array, "S V"], logits: Float[Array, "S V"],
@@ -92,9 +132,7 @@ def apply_token_bitmask(processed: Float[Array, "S V"], logits: Float[Array, "S 
     """Structured outputs: tokens whose bit is clear become -inf. A free row's words are all ones,
     so it comes back unchanged. Should the grammar's tokens all be -inf already (min_tokens
     suppressing the EOS that a finished grammar allows), the grammar wins over the suppression."""
-    v = processed.shape[1]
-    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-    allowed = bits.reshape(bitmask.shape[0], -1)[:, :v].astype(bool)
+    allowed = unpack_bits(bitmask, processed.shape[1])
     masked = jnp.where(allowed, processed, -jnp.inf)
     stuck = ~jnp.any(masked > -jnp.inf, axis=-1, keepdims=True)
     return jnp.where(stuck, jnp.where(allowed, logits, -jnp.inf), masked)
@@ -133,13 +171,29 @@ def _gumbel(md: SamplingMetadata, vocab_size: int) -> Float[Array, "S V"]:
     return jax.vmap(row)(md.seed, md.step)
 
 
-def _logprob_columns(
-    logits: Float[Array, "S V"], tokens: Int[Array, " S"], k: int
-) -> Float[Array, "S W"]:
+def _draw(processed: Float[Array, "S V"], greedy: Int[Array, " S"], md: SamplingMetadata) -> Int[Array, " S"]:
+    """Sampled rows: temperature, the filters (only when some row uses one), a Gumbel-max draw."""
+    sampled_rows = md.temperature > 0
+    scaled = processed / jnp.where(sampled_rows, md.temperature, 1.0)[:, None]
+    filtered = (md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0)
+    scaled = jax.lax.cond(jnp.any(filtered), lambda x: apply_top_k_top_p_min_p(x, md), lambda x: x, scaled)
+    drawn = jnp.argmax(scaled + _gumbel(md, processed.shape[1]), axis=-1).astype(jnp.int32)
+    return jnp.where(sampled_rows, drawn, greedy)
+
+
+def _top_k(logprobs: Float[Array, "N V"], k: int) -> tuple[Float[Array, "N k"], Float[Array, "N k"]]:
+    """Top-k logprobs and their ids as float32, zero-padded to k columns for a vocabulary smaller
+    than k (test models)."""
+    values, ids = jax.lax.top_k(logprobs, min(k, logprobs.shape[1]))
+    pad = ((0, 0), (0, k - values.shape[1]))
+    return jnp.pad(ids.astype(jnp.float32), pad), jnp.pad(values, pad)
+
+
+def _logprob_columns(logits: Float[Array, "S V"], tokens: Int[Array, " S"], k: int) -> Float[Array, "S W"]:
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     sampled = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
-    top_values, top_ids = jax.lax.top_k(logprobs, k)
-    return jnp.concatenate([sampled, top_ids.astype(jnp.float32), top_values], axis=-1)
+    top_ids, top_values = _top_k(logprobs, k)
+    return jnp.concatenate([sampled, top_ids, top_values], axis=-1)
 
 
 def prompt_logprob_columns(logits: Float[Array, "T V"], targets: Int[Array, " T"], k: int) -> Float[Array, "T W"]:
@@ -149,25 +203,23 @@ def prompt_logprob_columns(logits: Float[Array, "T V"], targets: Int[Array, " T"
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     actual = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
     rank = 1 + jnp.sum(logprobs > actual, axis=-1, keepdims=True, dtype=jnp.int32)
-    top_values, top_ids = jax.lax.top_k(logprobs, k)
-    return jnp.concatenate([actual, rank.astype(jnp.float32), top_ids.astype(jnp.float32), top_values], axis=-1)
+    top_ids, top_values = _top_k(logprobs, k)
+    return jnp.concatenate([actual, rank.astype(jnp.float32), top_ids, top_values], axis=-1)
 
 
-def sample(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S W"]:
-    """One packed float32 array per step, so the engine copies to the host once: column 0 the
-    token id (exact below 2**24), then with `num_logprobs` k > 0 the token's logprob, k top ids
-    and their k logprobs. Unpack with `sampling_metadata.unpack`."""
+def sample(logits: Float[Array, "S V"], md: SamplingMetadata,
+           state: SamplerState) -> tuple[Float[Array, "S W"], SamplerState]:
+    """One packed float32 array per step, so the engine copies to the host once: column 0 the token
+    id (exact below 2**24), then its logprob, MAX_LOGPROBS top ids and their logprobs (zeros when no
+    row asked; unpack with `sampling_metadata.unpack`). The state comes back with the kept tokens
+    counted."""
     logits = logits.astype(jnp.float32)
-    processed = apply_token_bitmask(apply_penalties_and_bias(logits, md), logits, md.allowed_token_bitmask)
-    tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    if not md.all_greedy:
-        sampled_rows = md.temperature > 0
-        scaled = processed / jnp.where(sampled_rows, md.temperature, 1.0)[:, None]
-        if md.use_top_k_top_p:
-            scaled = apply_top_k_top_p_min_p(scaled, md)
-        drawn = jnp.argmax(scaled + _gumbel(md, logits.shape[1]), axis=-1).astype(jnp.int32)
-        tokens = jnp.where(sampled_rows, drawn, tokens)
-    packed = tokens.astype(jnp.float32)[:, None]
-    if md.num_logprobs == 0:
-        return packed
-    return jnp.concatenate([packed, _logprob_columns(logits, tokens, md.num_logprobs)], axis=-1)
+    processed = apply_token_bitmask(apply_penalties_and_bias(logits, md, state), logits, md.allowed_token_bitmask)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda p, g: _draw(p, g, md), lambda p, g: g,
+                          processed, greedy)
+    width = 1 + 2 * MAX_LOGPROBS
+    columns = jax.lax.cond(jnp.any(md.logprobs), lambda: _logprob_columns(logits, tokens, MAX_LOGPROBS),
+                           lambda: jnp.zeros((logits.shape[0], width), jnp.float32))
+    packed = jnp.concatenate([tokens.astype(jnp.float32)[:, None], columns], axis=-1)
+    return packed, count_kept_tokens(state, md, tokens)

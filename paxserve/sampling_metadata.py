@@ -1,22 +1,23 @@
-"""Host side of sampling: per-row numpy inputs for the on-device sampler, and unpacking its output.
+"""Host side of sampling: per-row numpy inputs for the on-device sampler, the rows of its persistent
+state, and unpacking its output.
 
-Numpy only (no JAX), so the scheduler/engine host path and its tests stay instant. The arrays are
-padded to the step's row bucket; the static fields choose which compiled sampler variant runs.
+Numpy only (no JAX), so the scheduler/engine host path and its tests stay instant.
 
-Static variants (each multiplies the number of compiled programs, so the set stays small):
+Nothing here is a compile key. Every sampler feature is runtime data of fixed shape, so one compiled
+step per (tokens, sequences, block-table width) bucket serves any mix of greedy and sampled rows,
+top-k/top-p/min-p, penalties, logit bias, min_tokens, logprobs and structured outputs:
 
-- `all_greedy` / `use_top_k_top_p`: three sampling modes. All rows greedy (no random draw at all),
-  some rows sampled without filters, or some row using top-k/top-p/min-p. Greedy rows never force
-  the filter path: their top_k/top_p/min_p are neutralised here.
-- `use_penalties`: some row has a repetition/presence/frequency penalty.
-- `num_logprobs`: 0 (no row wants logprobs), else the batch max bucketed to 1, 5 or 20.
-
-That is at most 3 x 2 x 4 = 24 combinations per row bucket. Structured outputs add none: every
-step carries a token bitmask ([S, ceil(vocab/32)] packed int32 words, bit t of word t//32 allows
-token t) as runtime data, all ones for free rows, so constrained and free rows share one program. Array widths are shapes, hence also
-compile keys, so they are bucketed too: 1 when unused, else a power of two >= `MIN_WIDTH`. Token
-histories are only filled for rows that use penalties, and suppress ids only for rows still under
-`min_tokens`, so in steady state (no penalties, min_tokens passed) every width is 1.
+- Per-step rows ([S] each): temperature, filters, seeds, steps, penalty strengths, whether the row
+  wants logprobs, whether its token is kept, and which row of the sampler state it reads.
+- The token bitmask ([S, ceil(V/32)] packed words; bit t of word t//32 allows token t), all ones for
+  free rows, filled by each row's structured-output matcher.
+- Per-request state that does not change every step (a request's output-token counts, the prompt's
+  token set, its logit bias, the ids min_tokens holds back) lives on the device in `SamplerState`,
+  one row per running request that needs it; it is written once when the request starts running
+  (`StateWrites`) and the step itself counts each kept token, so no per-step input grows with the
+  output's length. Row 0 is the null row: all zeros, which leaves a row's logits untouched.
+- The output is always [S, PACKED_WIDTH]: the token, then its logprob and the top MAX_LOGPROBS ids
+  and logprobs (zeros when no row asked). The host keeps what each request asked for.
 """
 
 from __future__ import annotations
@@ -26,19 +27,19 @@ from typing import Any
 
 import numpy as np
 
-from paxserve.sampling_params import SamplingParams
+from paxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
-LOGPROB_BUCKETS = (1, 5, 20)
-MIN_WIDTH = 16
 # Below this a temperature is numerically greedy (vLLM uses the same epsilon); dividing by it
 # would only overflow.
 GREEDY_TEMPERATURE = 1e-5
-PAD_ID = -1
+# Columns of the sampler's packed output: the token id, its logprob, MAX_LOGPROBS top ids and their
+# logprobs. Fixed, so asking for logprobs compiles nothing.
+PACKED_WIDTH = 2 + 2 * MAX_LOGPROBS
 
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One sequence's sampling state for this step."""
+    """One sequence's sampling inputs for this step."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -47,17 +48,25 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...]
     # Structured outputs: the llguidance matcher that fills this row's token bitmask (None: free).
     matcher: Any = None
+    # The sampler-state row holding this request's counts, prompt set, bias and held-back ids; 0 for
+    # a request that needs none (see `needs_state`).
+    state_row: int = 0
+    # Whether this step's token is kept (a decode, or the last chunk of a prompt): only then does it
+    # count towards the request's penalties.
+    keep: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, (int, np.integer)) or not 0 <= int(self.seed) < 2**64:
             raise ValueError(f"SamplingRow.seed={self.seed!r} must be an integer in [0, 2**64)")
         if any(t < 0 for t in self.eos_token_ids):
             raise ValueError(f"SamplingRow.eos_token_ids={self.eos_token_ids!r} must be token ids >= 0")
+        if self.state_row < 0:
+            raise ValueError(f"SamplingRow.state_row={self.state_row} must be >= 0 (0: no sampler state)")
 
 
 @dataclass(slots=True)
 class SamplingInputs:
-    """Padded per-row arrays ([S] unless noted) plus the static flags of the compiled variant."""
+    """Padded per-row arrays ([S] unless noted). Padding rows are greedy with nothing else."""
 
     temperature: np.ndarray  # f32; 0 = greedy
     top_k: np.ndarray  # i32; 0 = off, else in [1, vocab)
@@ -69,16 +78,10 @@ class SamplingInputs:
     presence_penalty: np.ndarray  # f32
     frequency_penalty: np.ndarray  # f32
     repetition_penalty: np.ndarray  # f32
-    output_token_ids: np.ndarray  # i32 [S, Lo], PAD_ID padded; filled only for rows with penalties
-    prompt_token_ids: np.ndarray  # i32 [S, Lp], PAD_ID padded; filled only for rows with penalties
-    logit_bias_ids: np.ndarray  # i32 [S, Lb], PAD_ID padded
-    logit_bias_values: np.ndarray  # f32 [S, Lb]
-    suppress_ids: np.ndarray  # i32 [S, Ls]: ids set to -inf while step < min_tokens
+    logprobs: np.ndarray  # bool; the row wants logprobs
+    state_row: np.ndarray  # i32; its row of the sampler state, 0 = none
+    keep: np.ndarray  # bool; its token is kept (counted for penalties)
     allowed_token_bitmask: np.ndarray  # i32 [S, ceil(V/32)]: bit t of word t//32 set = token t allowed
-    all_greedy: bool
-    use_top_k_top_p: bool
-    use_penalties: bool
-    num_logprobs: int
     num_rows: int  # real (unpadded) rows; host only
 
     def __post_init__(self) -> None:
@@ -87,58 +90,95 @@ class SamplingInputs:
             raise ValueError(f"SamplingInputs.num_rows={self.num_rows} must be in [1, {s}]")
         if self.seed.shape != (s, 2) or self.seed.dtype != np.uint32:
             raise ValueError(f"SamplingInputs.seed must be uint32 [{s}, 2], got {self.seed.dtype} {self.seed.shape}")
-        if self.all_greedy and self.use_top_k_top_p:
-            raise ValueError("SamplingInputs: all_greedy and use_top_k_top_p exclude each other")
-        for name in ("output_token_ids", "prompt_token_ids", "logit_bias_ids", "logit_bias_values", "suppress_ids",
-                     "allowed_token_bitmask"):
-            if getattr(self, name).shape[0] != s:
-                raise ValueError(f"SamplingInputs.{name} has {getattr(self, name).shape[0]} rows, expected {s}")
+        if self.allowed_token_bitmask.shape[0] != s:
+            raise ValueError(f"SamplingInputs.allowed_token_bitmask has {self.allowed_token_bitmask.shape[0]} rows, "
+                             f"expected {s}")
 
-    @property
-    def packed_width(self) -> int:
-        return packed_width(self.num_logprobs)
+
+@dataclass(slots=True)
+class StateWrites:
+    """Whole rows of the sampler state to (re)write before a step: one per request that starts
+    running and needs state. K is padded to a power of two with rows that point past the state
+    (the device drops them), so the write compiles once per power of two, never per request."""
+
+    rows: np.ndarray  # i32 [K]
+    counts: np.ndarray  # i32 [K, V]: how often each token is in the output so far
+    prompt_mask: np.ndarray  # i32 [K, W]: bit set = token in the prompt
+    bias: np.ndarray  # f32 [K, V]: logit_bias, dense
+    suppress_mask: np.ndarray  # i32 [K, W]: bit set = held back while step < min_tokens
+
+    def __post_init__(self) -> None:
+        k = self.rows.shape[0]
+        for name in ("counts", "prompt_mask", "bias", "suppress_mask"):
+            if getattr(self, name).shape[0] != k:
+                raise ValueError(f"StateWrites.{name} has {getattr(self, name).shape[0]} rows, expected {k}")
 
 
 @dataclass(slots=True)
 class SampledTokens:
-    """One step's results for the real rows. Logprobs are of the raw model logits."""
+    """One step's results for the real rows. Logprobs are of the raw model logits; the top columns
+    are always MAX_LOGPROBS wide (zeros when no row of the step asked)."""
 
     token_ids: list[int]
-    sampled_logprobs: np.ndarray | None  # f32 [N]
-    top_token_ids: np.ndarray | None  # i32 [N, num_logprobs], most likely first
-    top_logprobs: np.ndarray | None  # f32 [N, num_logprobs]
-
-
-def packed_width(num_logprobs: int) -> int:
-    """Columns of the sampler's packed output: the token, then (when asked) its logprob and the
-    top ids and their logprobs."""
-    return 1 if num_logprobs == 0 else 2 + 2 * num_logprobs
+    sampled_logprobs: np.ndarray  # f32 [N]
+    top_token_ids: np.ndarray  # i32 [N, MAX_LOGPROBS], most likely first
+    top_logprobs: np.ndarray  # f32 [N, MAX_LOGPROBS]
 
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def bucket_width(n: int) -> int:
-    return 1 if n == 0 else max(MIN_WIDTH, 1 << (n - 1).bit_length())
+def token_bits(ids: list[int] | tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """The set `ids` as packed int32 words, bit t of word t//32 (the token bitmask's layout)."""
+    bits = np.zeros(bitmask_width(vocab_size) * 32, bool)
+    bits[np.asarray(ids, np.int64)] = True
+    return np.packbits(bits, bitorder="little").view("<i4")
 
 
-def bucket_logprobs(n: int | None) -> int:
-    if n is None:
-        return 0
-    return next((b for b in LOGPROB_BUCKETS if b >= n), n)
+def suppressed_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Ids min_tokens holds back: the EOS ids (unless ignore_eos) and the stop token ids."""
+    if params.min_tokens == 0:
+        return ()
+    return tuple(dict.fromkeys((() if params.ignore_eos else eos_token_ids) + tuple(params.stop_token_ids or ())))
 
 
-def _fill(lists: list[list[int]] | list[list[float]], num_rows: int, dtype: type, pad: float) -> np.ndarray:
-    out = np.full((num_rows, bucket_width(max(map(len, lists), default=0))), pad, dtype)
-    for i, values in enumerate(lists):
-        out[i, : len(values)] = values
+def needs_state(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether a request needs a row of the sampler state: penalties, a logit bias, or ids that
+    min_tokens holds back."""
+    return params.uses_penalties or bool(params.logit_bias) or bool(suppressed_ids(params, eos_token_ids))
+
+
+def build_state_writes(rows: list[tuple[int, SamplingRow]], num_state_rows: int, vocab_size: int) -> StateWrites:
+    """The state rows of requests that start running: `rows` pairs each one's state row with its
+    sampling row. Its counts are rebuilt from its output so far, so a preempted request resumes
+    with the same penalties."""
+    if not rows:
+        raise ValueError("build_state_writes needs at least one row")
+    k = 1 << (len(rows) - 1).bit_length()
+    w = bitmask_width(vocab_size)
+    out = StateWrites(rows=np.full(k, num_state_rows, np.int32), counts=np.zeros((k, vocab_size), np.int32),
+                      prompt_mask=np.zeros((k, w), np.int32), bias=np.zeros((k, vocab_size), np.float32),
+                      suppress_mask=np.zeros((k, w), np.int32))
+    for i, (state_row, row) in enumerate(rows):
+        if not 0 < state_row < num_state_rows:
+            raise ValueError(f"state row {state_row} must be in [1, {num_state_rows})")
+        out.rows[i] = state_row
+        if row.output_token_ids:
+            out.counts[i] = np.bincount(row.output_token_ids, minlength=vocab_size)
+        if row.params.uses_penalties:
+            out.prompt_mask[i] = token_bits(row.prompt_token_ids, vocab_size)
+        for token, value in (row.params.logit_bias or {}).items():
+            out.bias[i, token] = value
+        held = suppressed_ids(row.params, row.eos_token_ids)
+        if held:
+            out.suppress_mask[i] = token_bits(held, vocab_size)
     return out
 
 
 def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_size: int) -> SamplingInputs:
     """Per-row sampler inputs for `rows`, padded to `num_rows_padded`. Padding rows are greedy with
-    no penalties, bias or suppression."""
+    no state (so no penalties, bias or suppression) and keep nothing."""
     if not rows:
         raise ValueError("build_sampling_inputs needs at least one row")
     if num_rows_padded < len(rows):
@@ -151,21 +191,19 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
         return np.full(s, pad, dtype)
 
     temperature, top_k, top_p, min_p = col(np.float32, 0), col(np.int32, 0), col(np.float32, 1), col(np.float32, 0)
-    step, min_tokens = col(np.int32, 0), col(np.int32, 0)
+    step, min_tokens, state_row = col(np.int32, 0), col(np.int32, 0), col(np.int32, 0)
     presence, frequency, repetition = col(np.float32, 0), col(np.float32, 0), col(np.float32, 1)
+    logprobs, keep = col(bool, False), col(bool, False)
     seed = np.zeros((s, 2), np.uint32)
     bitmask = np.full((s, bitmask_width(vocab_size)), -1, np.int32)
-    outputs: list[list[int]] = []
-    prompts: list[list[int]] = []
-    bias_ids: list[list[int]] = []
-    bias_values: list[list[float]] = []
-    suppress: list[list[int]] = []
-    max_logprobs: int | None = None
     for i, row in enumerate(rows):
         p = row.params
         seed[i] = (int(row.seed) >> 32, int(row.seed) & 0xFFFFFFFF)
         step[i] = len(row.output_token_ids)
         min_tokens[i] = p.min_tokens
+        state_row[i] = row.state_row
+        keep[i] = row.keep
+        logprobs[i] = p.logprobs is not None
         if p.temperature >= GREEDY_TEMPERATURE:
             temperature[i] = p.temperature
             # top_k >= vocab keeps everything, so it is "off" and must not force the filter path.
@@ -173,54 +211,32 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
             top_p[i] = p.top_p
             min_p[i] = p.min_p
         if p.uses_penalties:
+            if row.state_row == 0:
+                raise ValueError(f"row {i} uses penalties but has no sampler-state row")
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        outputs.append(row.output_token_ids if p.uses_penalties else [])
-        prompts.append(row.prompt_token_ids if p.uses_penalties else [])
-        bias = p.logit_bias or {}
-        bias_ids.append(list(bias))
-        bias_values.append([float(v) for v in bias.values()])
-        ids: list[int] = []
-        if len(row.output_token_ids) < p.min_tokens:
-            ids = list(dict.fromkeys((() if p.ignore_eos else row.eos_token_ids) + tuple(p.stop_token_ids or ())))
-        suppress.append(ids)
-        if p.logprobs is not None:
-            max_logprobs = max(max_logprobs or 0, p.logprobs)
         if row.matcher is not None:  # llguidance writes the row's words in place
             from llguidance.numpy import fill_next_token_bitmask
 
             fill_next_token_bitmask(row.matcher, bitmask, i)
-    sampled = temperature > 0
     return SamplingInputs(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
         min_tokens=min_tokens, presence_penalty=presence, frequency_penalty=frequency,
-        repetition_penalty=repetition,
-        output_token_ids=_fill(outputs, s, np.int32, PAD_ID),
-        prompt_token_ids=_fill(prompts, s, np.int32, PAD_ID),
-        logit_bias_ids=_fill(bias_ids, s, np.int32, PAD_ID),
-        logit_bias_values=_fill(bias_values, s, np.float32, 0.0),
-        suppress_ids=_fill(suppress, s, np.int32, PAD_ID),
-        allowed_token_bitmask=bitmask,
-        all_greedy=not sampled.any(),
-        use_top_k_top_p=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
-        use_penalties=any(r.params.uses_penalties for r in rows),
-        num_logprobs=bucket_logprobs(max_logprobs),
-        num_rows=len(rows),
+        repetition_penalty=repetition, logprobs=logprobs, state_row=state_row, keep=keep,
+        allowed_token_bitmask=bitmask, num_rows=len(rows),
     )
 
 
-def unpack(packed: np.ndarray, num_rows: int, num_logprobs: int) -> SampledTokens:
-    """Split the sampler's packed [S, W] float32 output into the first `num_rows` rows' results."""
-    if packed.ndim != 2 or packed.shape[1] != packed_width(num_logprobs):
-        raise ValueError(f"packed has shape {packed.shape}, expected [S, {packed_width(num_logprobs)}]")
+def unpack(packed: np.ndarray, num_rows: int) -> SampledTokens:
+    """Split the sampler's packed [S, PACKED_WIDTH] float32 output into the first `num_rows` rows'
+    results."""
+    if packed.ndim != 2 or packed.shape[1] != PACKED_WIDTH:
+        raise ValueError(f"packed has shape {packed.shape}, expected [S, {PACKED_WIDTH}]")
     if not 0 <= num_rows <= packed.shape[0]:
         raise ValueError(f"num_rows={num_rows} must be in [0, {packed.shape[0]}]")
     rows = np.asarray(packed[:num_rows], np.float32)
-    token_ids = rows[:, 0].astype(np.int64).tolist()
-    if num_logprobs == 0:
-        return SampledTokens(token_ids, None, None, None)
-    k = num_logprobs
+    k = MAX_LOGPROBS
     return SampledTokens(
-        token_ids=token_ids,
+        token_ids=rows[:, 0].astype(np.int64).tolist(),
         sampled_logprobs=rows[:, 1].copy(),
         top_token_ids=rows[:, 2 : 2 + k].astype(np.int32),
         top_logprobs=rows[:, 2 + k : 2 + 2 * k].copy(),

@@ -44,6 +44,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that stopped running since the previous schedule (finished, aborted or preempted,
+    # this step's preemptions included): whatever they held per running request can be let go.
+    left_running_ids: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -63,6 +66,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self._left_running: list[str] = []  # reported by the next schedule()
 
     @property
     def num_unfinished(self) -> int:
@@ -86,6 +90,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def _preempt(self, request: Request) -> None:
+        self._left_running.append(request.request_id)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -170,6 +175,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        out.left_running_ids, self._left_running = self._left_running, []
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
@@ -193,6 +199,7 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._left_running.append(request.request_id)
         else:
             self.waiting.remove(request)
         request.status = status

@@ -90,6 +90,32 @@ def test_preemption_under_a_tiny_kv_pool_still_gives_the_same_output(tiny_dir: P
     assert_no_blocks_held(eng)
 
 
+def test_penalties_bias_and_min_tokens_survive_preemption_mid_output(tiny_dir: Path, engine: Engine) -> None:
+    """A request whose tokens depend on its own output so far (penalties), a bias and min_tokens is
+    preempted after 8 tokens and recomputed: its sampler state is rebuilt from those tokens and it
+    ends exactly as it does alone."""
+    first = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # The bias makes five tokens the only candidates, and the frequency penalty then picks among
+    # them by how often each was used: a count off by one shows in the next token.
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.2, frequency_penalty=1.0,
+                               presence_penalty=0.3, logit_bias={t: 30.0 for t in (5, 9, 13, 17, 21)},
+                               min_tokens=20, stop_token_ids=[11])
+    prompts = [PROMPTS[0][:40] + [3] * (40 - len(PROMPTS[0][:40])), PROMPTS[1][:40]]
+    want = [engine.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, (first,
+                                                                                                      penalised))]
+    assert want[1] != engine.generate([prompts[1]], first, use_tqdm=False)[0].outputs[0].token_ids
+    # 7 usable blocks of 16: both 40-token prompts fit (3 blocks each), both 64-token answers do not,
+    # so the newer (the penalised one) is preempted when both reach 48 tokens.
+    eng = Engine(str(tiny_dir), **{**TEST_ENGINE_ARGS, "num_gpu_blocks_override": 8, "max_model_len": 64})
+    rebuilt = []
+    write = eng.runner.write_sampler_state
+    eng.runner.write_sampler_state = lambda w: (rebuilt.append(int(w.counts.sum())), write(w))[1]
+    outs = eng.generate(prompts, [first, penalised], use_tqdm=False)
+    assert eng.stats.preemptions > 0 and rebuilt[0] == 0 and max(rebuilt) >= 8
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_no_blocks_held(eng)
+
+
 def test_chunked_prefill_with_a_small_token_budget_gives_the_same_output(
     tiny_dir: Path, alone: list[list[int]]
 ) -> None:
@@ -218,18 +244,37 @@ def test_abort_frees_blocks_at_once(engine: Engine) -> None:
     assert engine.step() == []
 
 
+# Every sampler feature a request can ask for, one mix per request: none of them is a compile key.
+MIXED = [SamplingParams(temperature=0.8, top_k=20, seed=3),
+         SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.3),
+         SamplingParams(temperature=1.1, top_p=0.7, min_p=0.05, frequency_penalty=1.2, seed=8, logprobs=20),
+         SamplingParams(temperature=0.0, logit_bias={7: 4.0, 8: -4.0}, min_tokens=6, stop_token_ids=[3]),
+         SamplingParams(temperature=0.5, presence_penalty=-1.0, logprobs=0, seed=1),
+         SamplingParams(temperature=0.0)]
+
+
 def test_no_recompilation_in_steady_state(engine: Engine) -> None:
-    workload = (PROMPTS[:12], SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=6, ignore_eos=True))
+    """A mixed steady state (penalties, logprobs, bias, min_tokens, filters, greedy; long and short
+    prompts) runs the programs plain greedy requests of the same shapes compiled: nothing more."""
+    prompts = PROMPTS[:12]
     # Prefix hits (from earlier tests or the first run) would change the batch shapes: both runs
-    # start from an empty prefix cache so the second is a true repeat of the first.
+    # start from an empty prefix cache so the second has the shapes of the first.
     engine.reset_prefix_cache()
-    engine.generate(*workload, use_tqdm=False)
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     buckets = set(engine.runner.buckets)
     compiled = _jitted_step(engine.model.architecture.forward)._cache_size()
     engine.reset_prefix_cache()
-    engine.generate(*workload, use_tqdm=False)
+    mixed = [SamplingParams(**{**{f: getattr(MIXED[i % len(MIXED)], f) for f in MIXED_FIELDS},
+                               "max_tokens": 6, "ignore_eos": True}) for i in range(len(prompts))]
+    outs = engine.generate(prompts, mixed, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert outs[1].outputs[0].logprobs is not None and len(outs[1].outputs[0].logprobs[0]) >= 5
     assert engine.runner.buckets == buckets
     assert _jitted_step(engine.model.architecture.forward)._cache_size() == compiled
+
+
+MIXED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids")
 
 
 def test_async_engine_streams_and_aborts_on_disconnect(engine: Engine) -> None:

@@ -7,6 +7,7 @@ import pytest
 from models.config import ModelConfig
 from paxserve.config import EngineConfig
 from paxserve.memory import kv_bytes_per_block, plan_kv_cache
+from paxserve.sampler import SamplerState
 
 # A Llama-3-8B-shaped config: 32 layers x 8 KV heads x 128 dims -> 128 KiB per token in bf16.
 LLAMA8B = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32,
@@ -28,6 +29,12 @@ def test_gpu_budget_is_utilization_times_memory_minus_weights_and_activations(ca
     assert plan.max_model_len == 8192
     assert plan.max_concurrency == pytest.approx((expected - 1) * 16 / 8192)
     assert f"maximum concurrency for 8192-token requests: {plan.max_concurrency:.2f}x" in caplog.text
+    # The sampler's per-request state (Llama 3's 128k vocabulary x 257 rows: 0.25 GiB) comes off too.
+    state = SamplerState.num_bytes(257, 128256)
+    assert 0.24 * GiB < state < 0.26 * GiB
+    with_state = plan_kv_cache(LLAMA8B, EngineConfig(gpu_memory_utilization=0.9), 2, weight_bytes=16 * GiB,
+                               device_bytes=80 * GiB, activation_bytes=2 * GiB, sampler_state_bytes=state)
+    assert with_state.num_blocks == int(0.9 * 80 * GiB - 18 * GiB - state) // (2 * 2**20)
 
 
 def test_weights_that_do_not_fit_say_so_and_point_at_tensor_parallelism() -> None:

@@ -5,7 +5,8 @@ One engine serves every test: blocks of 32 tokens, 16 tokens per step (so the 62
 always chunked: 16 + 16 + 16 + 14) and a pool of 3 usable blocks (so two requests that need two
 blocks each force preemption). Prompts and request shapes are chosen so the whole file compiles
 seven programs: plain steps of 16 tokens (1 or 2 sequences) and of 1 token, and the prompt-logprobs
-variant of 16 tokens (1 sequence with 1 or 2 block-table columns, 2 with 2), all with num_top 5.
+variant of 16 tokens (1 sequence with 1 or 2 block-table columns, 2 with 2); the number of top
+alternatives asked is runtime data, never a compile key.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def test_n_samples_share_one_list_and_zero_gives_only_the_token(engine: Engine, 
     # Sample 0 scored the prompt and registered its blocks; sample 1 took them from the prefix cache.
     assert two.num_cached_tokens == 32
     # prompt_logprobs=0: just the token's own entry. It runs the same program as a request for 5
-    # (num_top 5 serves both), so the entry is that request's, bit for bit.
+    # (the device always computes the top MAX_LOGPROBS), so the entry is that request's, bit for bit.
     zero = engine.generate([SHORT], greedy(prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
     five = engine.generate([SHORT], greedy(prompt_logprobs=5), use_tqdm=False)[0].prompt_logprobs
     assert zero is not None and zero[0] is None
@@ -212,7 +213,7 @@ def test_positions_score_the_next_prompt_token_across_chunks() -> None:
     # Row 0 is a batch mate's decode token; row 1 feeds positions 4..7 (4 already filled).
     buffer.num_filled = 4
     inputs = build_prompt_logprobs_inputs([(None, [7], 0, 1), (buffer, prompt, 4, 4)], 8)
-    assert inputs is not None and inputs.num_top == 5 and inputs.spans == [None, (1, 4, 8)]
+    assert inputs is not None and inputs.spans == [None, (1, 4, 8)]
     # The last position of the chunk scores the first token of the next chunk (not in the batch).
     assert inputs.targets.tolist() == [0, 105, 106, 107, 108, 0, 0, 0]
     assert buffer.positions_needed(8, 2) == (8, 9)  # the last prompt position scores nothing

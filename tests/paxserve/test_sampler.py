@@ -1,5 +1,5 @@
 """`paxserve.sampler` + `paxserve.sampling_metadata`: the on-device sampler against numpy, its
-batch independence, and the host-side builder of its inputs."""
+batch independence, its persistent per-request state, and the host-side builder of its inputs."""
 
 from __future__ import annotations
 
@@ -11,31 +11,55 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paxserve.sampler import SamplingMetadata, apply_penalties_and_bias, apply_top_k_top_p_min_p, sample
+from paxserve.sampler import (
+    SamplerState,
+    SamplingMetadata,
+    apply_penalties_and_bias,
+    apply_top_k_top_p_min_p,
+    sample,
+    state_writes_args,
+    write_state_rows,
+)
 from paxserve.sampling_metadata import (
+    PACKED_WIDTH,
     SampledTokens,
     SamplingRow,
     build_sampling_inputs,
-    packed_width,
+    build_state_writes,
+    needs_state,
     unpack,
 )
-from paxserve.sampling_params import SamplingParams
+from paxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 64
 EOS = 7
 _sample = jax.jit(sample)
 _process = jax.jit(apply_penalties_and_bias)
+_write = jax.jit(write_state_rows)
 
 
 def row(prompt: list[int] | None = None, output: list[int] | None = None, seed: int = 0, **kw) -> SamplingRow:
     return SamplingRow(SamplingParams(**kw), prompt or [1, 2, 3], output or [], seed, (EOS,))
 
 
+def with_state(rows: list[SamplingRow], num_state_rows: int = 9, vocab: int = V) -> SamplerState:
+    """A fresh sampler state holding each row that needs one (rows 1, 2, ... in order), as the engine
+    writes it when those requests start running."""
+    state = SamplerState.zeros(num_state_rows, vocab)
+    writes = []
+    for r in rows:
+        if needs_state(r.params, r.eos_token_ids):
+            r.state_row = len(writes) + 1
+            writes.append((r.state_row, r))
+    return _write(state, *state_writes_args(build_state_writes(writes, num_state_rows, vocab))) if writes else state
+
+
 def run(rows: list[SamplingRow], logits: np.ndarray) -> SampledTokens:
+    state = with_state(rows, vocab=logits.shape[1])
     inputs = build_sampling_inputs(rows, logits.shape[0], logits.shape[1])
-    packed = np.asarray(_sample(logits, SamplingMetadata.from_inputs(inputs)))
-    assert packed.shape == (logits.shape[0], inputs.packed_width)
-    return unpack(packed, len(rows), inputs.num_logprobs)
+    packed, _ = _sample(logits, SamplingMetadata.from_inputs(inputs), state)
+    assert packed.shape == (logits.shape[0], PACKED_WIDTH)
+    return unpack(np.asarray(packed), len(rows))
 
 
 def random_logits(num_rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> np.ndarray:
@@ -59,12 +83,12 @@ def test_greedy_and_padding_rows_take_the_argmax() -> None:
     logits = random_logits(8)
     out = run([row(temperature=0.0) for _ in range(5)], logits)
     assert out.token_ids == logits[:5].argmax(-1).tolist()
-    assert out.sampled_logprobs is None and out.top_token_ids is None
+    # No row asked for logprobs: the columns are there (fixed width) but never computed.
+    assert not out.sampled_logprobs.any() and not out.top_token_ids.any() and not out.top_logprobs.any()
     # Padding rows are greedy with nothing else: their column 0 is the argmax too.
     inputs = build_sampling_inputs([row(temperature=0.0)], 8, V)
-    assert inputs.all_greedy and not inputs.use_top_k_top_p and not inputs.use_penalties
-    packed = np.asarray(_sample(logits, SamplingMetadata.from_inputs(inputs)))
-    np.testing.assert_array_equal(packed[:, 0], logits.argmax(-1))
+    packed, _ = _sample(logits, SamplingMetadata.from_inputs(inputs), SamplerState.zeros(2, V))
+    np.testing.assert_array_equal(np.asarray(packed)[:, 0], logits.argmax(-1))
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
@@ -149,34 +173,35 @@ _MODES = {"greedy": {"temperature": 0.0}, "random": {}, "filtered": {"top_k": 5,
 
 
 def _variant_rows(mode: str, penalties: bool, logprobs: int | None) -> list[SamplingRow]:
-    """A greedy row, a seeded sampled row (unless all-greedy), then one selecting the variant."""
+    """A greedy row, a seeded sampled row (unless all-greedy), then one using the features."""
     rows = [row(temperature=0.0), row(seed=77, output=[2, 2]) if mode != "greedy" else row(temperature=0.0)]
     extra = {**_MODES[mode], **({"presence_penalty": 0.5} if penalties else {}), "logprobs": logprobs}
     return rows + [row(seed=5, output=[9], **extra)]
 
 
-def test_every_static_variant_compiles_and_leaves_other_rows_alone() -> None:
+def test_one_program_serves_every_feature_mix_and_leaves_other_rows_alone() -> None:
+    """Greedy, sampled and filtered rows, penalties and logprobs are runtime data: a batch of one
+    shape compiles once whatever its rows use, and a row's token never depends on its mates'."""
     logits = random_logits(4, seed=10)
-    seen: dict[tuple, int] = {}
     sampled_tokens = set()
+    before = _sample._cache_size()
     for mode, penalties, logprobs in itertools.product(_MODES, (False, True), (None, 0, 4, 20)):
         rows = _variant_rows(mode, penalties, logprobs)
-        inputs = build_sampling_inputs(rows, 4, V)
-        key = (inputs.all_greedy, inputs.use_top_k_top_p, inputs.use_penalties, inputs.num_logprobs)
-        assert key == (mode == "greedy", mode == "filtered", penalties, {None: 0, 0: 1, 4: 5, 20: 20}[logprobs])
-        seen[key] = seen.get(key, 0) + 1
         out = run(rows, logits)
         assert out.token_ids[0] == logits[0].argmax()
         if mode != "greedy":
             sampled_tokens.add(out.token_ids[1])
-    assert len(seen) == 24 and set(seen.values()) == {1}
-    assert len(sampled_tokens) == 1  # bit-identical draw in all 16 sampling variants
+        if logprobs is not None:
+            assert out.top_token_ids[2, :3].tolist() == np.argsort(-logits[2])[:3].tolist()
+    assert _sample._cache_size() - before <= 1  # at most this test's own shape, once
+    assert len(sampled_tokens) == 1  # bit-identical draw in all 16 sampling mixes
 
 
-def test_fullest_variant_lowers_for_cuda() -> None:
+def test_the_step_lowers_for_cuda() -> None:
     rows = _variant_rows("filtered", True, 20) + [row(logit_bias={1: 2.0}, min_tokens=3, stop_token_ids=[4])]
+    state = with_state(rows)
     md = SamplingMetadata.from_inputs(build_sampling_inputs(rows, 4, V))
-    lowered = jax.jit(sample).trace(random_logits(4), md).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(sample).trace(random_logits(4), md, state).lower(lowering_platforms=("cuda",))
     assert "sort" in lowered.as_text()
 
 
@@ -231,9 +256,9 @@ def test_penalties_and_bias_match_numpy() -> None:
             stop_token_ids=[30],
         ))
     rows.append(row(output=[4, 4], logit_bias={4: 1.0}))  # penalties off in a penalty batch
+    state = with_state(rows)
     inputs = build_sampling_inputs(rows, 8, V)
-    assert inputs.use_penalties
-    got = np.asarray(_process(logits, SamplingMetadata.from_inputs(inputs)))
+    got = np.asarray(_process(logits, SamplingMetadata.from_inputs(inputs), state))
     want = logits.astype(np.float64).copy()
     for i, r in enumerate(rows):
         p, x = r.params, want[i]
@@ -261,70 +286,118 @@ def test_logprobs_are_of_the_raw_logits() -> None:
     ]
     out = run(rows, logits)
     assert out.top_token_ids is not None and out.top_logprobs is not None and out.sampled_logprobs is not None
-    assert out.top_token_ids.shape == (4, 5)  # batch max 5, bucketed
+    assert out.top_token_ids.shape == (4, MAX_LOGPROBS)  # always the most a request may ask for
     assert out.token_ids[1] == 5  # the bias moved the draw but not the logprobs
     ref = np_log_softmax(logits[:4])
     np.testing.assert_allclose(out.sampled_logprobs, ref[np.arange(4), out.token_ids], rtol=1e-5)
-    np.testing.assert_array_equal(out.top_token_ids, np.argsort(-ref, axis=-1)[:, :5])
+    np.testing.assert_array_equal(out.top_token_ids, np.argsort(-ref, axis=-1)[:, :MAX_LOGPROBS])
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, out.top_token_ids, -1), rtol=1e-5)
-
-
-@pytest.mark.parametrize(
-    ("asked", "bucket"), [([None], 0), ([0], 1), ([None, 1], 1), ([2, 0], 5), ([6], 20), ([20], 20)]
-)
-def test_logprob_buckets(asked: list[int | None], bucket: int) -> None:
-    inputs = build_sampling_inputs([row(logprobs=k) for k in asked], 4, V)
-    assert inputs.num_logprobs == bucket and inputs.packed_width == packed_width(bucket)
 
 
 # --- host side -------------------------------------------------------------------------------------
 
 
 def test_unpack_round_trip_and_validation() -> None:
-    k = 2
-    packed = np.array([[7, -0.5, 7, 3, -0.5, -1.5], [3, -1.5, 7, 3, -0.25, -1.5], [0, 0, 0, 0, 0, 0]], np.float32)
-    out = unpack(packed, 2, k)
+    k = MAX_LOGPROBS
+    packed = np.zeros((3, PACKED_WIDTH), np.float32)
+    packed[:, 0] = [7, 3, 0]
+    packed[:2, 1] = [-0.5, -1.5]
+    packed[:2, 2:4] = [7, 3]
+    packed[:2, 2 + k : 4 + k] = [[-0.5, -1.5], [-0.25, -1.5]]
+    out = unpack(packed, 2)
     assert out.token_ids == [7, 3]
     np.testing.assert_array_equal(out.sampled_logprobs, [-0.5, -1.5])
-    np.testing.assert_array_equal(out.top_token_ids, [[7, 3], [7, 3]])
-    assert out.top_token_ids.dtype == np.int32
-    np.testing.assert_array_equal(out.top_logprobs, [[-0.5, -1.5], [-0.25, -1.5]])
-    big = np.array([[2**24 - 1]], np.float32)
-    assert unpack(big, 1, 0).token_ids == [2**24 - 1]
+    np.testing.assert_array_equal(out.top_token_ids[:, :2], [[7, 3], [7, 3]])
+    assert out.top_token_ids.dtype == np.int32 and out.top_token_ids.shape == (2, k)
+    np.testing.assert_array_equal(out.top_logprobs[:, :2], [[-0.5, -1.5], [-0.25, -1.5]])
+    big = np.zeros((1, PACKED_WIDTH), np.float32)
+    big[0, 0] = 2**24 - 1
+    assert unpack(big, 1).token_ids == [2**24 - 1]
     with pytest.raises(ValueError, match="expected"):
-        unpack(packed, 2, 1)
+        unpack(packed[:, :6], 2)
     with pytest.raises(ValueError, match="num_rows"):
-        unpack(packed, 4, k)
+        unpack(packed, 4)
 
 
-def test_builder_flags_widths_and_neutralised_rows() -> None:
-    greedy_with_filters = row(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)
+def test_builder_rows_padding_and_neutralised_rows() -> None:
+    greedy_with_filters = row(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, logprobs=2)
     inputs = build_sampling_inputs([greedy_with_filters, row(top_k=V), row(top_k=-1, seed=2**40 + 3)], 4, V)
-    assert not inputs.all_greedy and not inputs.use_top_k_top_p and not inputs.use_penalties
-    assert inputs.num_logprobs == 0 and inputs.num_rows == 3
+    assert inputs.num_rows == 3
     np.testing.assert_array_equal(inputs.top_k, [0, 0, 0, 0])
+    np.testing.assert_array_equal(inputs.top_p, [1, 1, 1, 1])
     np.testing.assert_array_equal(inputs.seed[2], [2**8, 3])
-    for name in ("output_token_ids", "prompt_token_ids", "logit_bias_ids", "logit_bias_values", "suppress_ids"):
-        assert getattr(inputs, name).shape == (4, 1), name
-    inputs = build_sampling_inputs(
-        [
-            row(temperature=1e-6, top_p=0.5),
-            row(min_p=0.1, frequency_penalty=0.5, output=list(range(17)), min_tokens=20, max_tokens=32),
-        ],
-        2, V,
-    )
+    assert inputs.logprobs.tolist() == [True, False, False, False]
+    assert inputs.keep.tolist() == [True, True, True, False]  # padding keeps nothing
+    assert inputs.state_row.tolist() == [0, 0, 0, 0]
+    penalised = row(min_p=0.1, frequency_penalty=0.5, output=list(range(17)), min_tokens=20, max_tokens=32)
+    inputs = build_sampling_inputs([row(temperature=1e-6, top_p=0.5), row(output=list(range(17)))], 2, V)
     assert inputs.temperature[0] == 0  # numerically greedy
-    assert inputs.use_top_k_top_p and inputs.use_penalties
-    assert inputs.output_token_ids.shape == (2, 32) and inputs.prompt_token_ids.shape == (2, 16)
-    np.testing.assert_array_equal(inputs.output_token_ids[0], -1)  # rows without penalties stay empty
-    np.testing.assert_array_equal(inputs.suppress_ids[1, :2], [EOS, -1])
     assert inputs.step.tolist() == [0, 17]
+    with pytest.raises(ValueError, match="no sampler-state row"):  # penalties need their state
+        build_sampling_inputs([penalised], 1, V)
+    penalised.state_row = 3
+    inputs = build_sampling_inputs([penalised], 1, V)
+    assert inputs.state_row.tolist() == [3] and inputs.frequency_penalty.tolist() == [0.5]
     with pytest.raises(ValueError, match="smaller"):
         build_sampling_inputs([row(), row()], 1, V)
     with pytest.raises(ValueError, match="seed"):
         row(seed=-1)
     with pytest.raises(ValueError, match="seed"):
         row(seed=2**64)
+
+
+def test_which_requests_need_state_and_what_is_written() -> None:
+    assert not needs_state(SamplingParams(), (EOS,))
+    assert not needs_state(SamplingParams(min_tokens=3, ignore_eos=True), (EOS,))  # nothing to hold back
+    assert needs_state(SamplingParams(min_tokens=3), (EOS,))
+    assert needs_state(SamplingParams(repetition_penalty=1.2), ())
+    assert needs_state(SamplingParams(logit_bias={5: -1.0}), ())
+    r = row(prompt=[3, 3, 40], output=[5, 9, 5], repetition_penalty=1.2, logit_bias={63: 2.5}, min_tokens=4,
+            stop_token_ids=[33])
+    writes = build_state_writes([(2, r), (5, row(logit_bias={1: 1.0}))], 9, V)
+    assert writes.rows.tolist() == [2, 5]
+    assert writes.counts[0].nonzero()[0].tolist() == [5, 9] and writes.counts[0, 5] == 2
+    bits = np.unpackbits(writes.prompt_mask.view(np.uint8), axis=1, bitorder="little")
+    assert bits[0].nonzero()[0].tolist() == [3, 40] and not bits[1].any()  # no penalties: no prompt set
+    held = np.unpackbits(writes.suppress_mask.view(np.uint8), axis=1, bitorder="little")
+    assert held[0].nonzero()[0].tolist() == [EOS, 33]
+    assert writes.bias[0, 63] == 2.5 and writes.bias[1, 1] == 1.0 and np.count_nonzero(writes.bias) == 2
+    three = build_state_writes([(1, r), (2, r), (3, r)], 9, V)
+    assert three.rows.tolist() == [1, 2, 3, 9]  # padded to a power of two with a row past the end
+    with pytest.raises(ValueError, match="state row"):
+        build_state_writes([(0, r)], 9, V)
+
+
+# --- the state across steps ---------------------------------------------------------------------------
+
+
+def test_kept_tokens_are_counted_on_the_device_as_a_rebuilt_state_would_be() -> None:
+    """The step counts each kept token into its row, so a request's penalties after n steps equal
+    those of a state written from scratch with its n tokens (what a preempted request gets); rows
+    whose token is not kept (a prompt chunk) and the null row count nothing."""
+    rng = np.random.default_rng(11)
+    penalised = row(prompt=[1, 2], seed=3, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
+    chunk = row(prompt=[4, 5], seed=4, frequency_penalty=1.0)
+    free = row(seed=5)
+    rows = [penalised, chunk, free]
+    state = with_state(rows)
+    assert [r.state_row for r in rows] == [1, 2, 0]
+    chunk.keep = False
+    for _ in range(12):
+        inputs = build_sampling_inputs(rows, 4, V)
+        packed, state = _sample(random_logits(4, seed=int(rng.integers(1000)), scale=1.0),
+                                SamplingMetadata.from_inputs(inputs), state)
+        token = unpack(np.asarray(packed), 3).token_ids[0]
+        penalised.output_token_ids = penalised.output_token_ids + [token]
+        free.output_token_ids = free.output_token_ids + [token]
+    counts = np.asarray(state.counts)
+    np.testing.assert_array_equal(counts[1], np.bincount(penalised.output_token_ids, minlength=V))
+    assert not counts[2].any() and not counts[0].any() and not counts[3:].any()
+    rebuilt = with_state([penalised])
+    np.testing.assert_array_equal(np.asarray(rebuilt.counts)[1], counts[1])
+    logits = random_logits(1, seed=99)
+    md = SamplingMetadata.from_inputs(build_sampling_inputs([penalised], 1, V))
+    np.testing.assert_array_equal(np.asarray(_process(logits, md, state)), np.asarray(_process(logits, md, rebuilt)))
 
 
 # --- batch independence, randomised -----------------------------------------------------------------
