@@ -322,7 +322,7 @@ def part_c(smoke: bool, deadline: float, bw: float | None) -> None:
     first, first_tokens = run("warm", deadline)  # compiles every bucket this workload uses
     complete = first_tokens == num_prompts * output_len
     row("c", "first pass (with compilation)", f"{first:.1f} s" + ("" if complete else " INCOMPLETE"),
-        f"{len(engine.runner.buckets)} buckets compiled; {first_tokens} output tokens")
+        f"{len(engine.runner.compiled)} buckets compiled; {first_tokens} output tokens")
     if not complete or (time.monotonic() + 1.2 * first > deadline and not smoke):
         row("c", "timed pass", "skipped", "time budget spent; the first pass includes compilation")
         return

@@ -197,7 +197,7 @@ def simulate(trace: list[TraceRequest], *, block_size: int, kv_slots: int, max_m
             fake_token += 1
             sampled.append(3 + fake_token % (VOCAB - 3))
         result.finished += len(sched.update_from_output(out, sampled))
-        result.preemptions += len(out.preempted)
+        result.preemptions += len(out.preempted_ids)
         tokens = waste = 0
         for r in sched.running:
             n = r.num_computed_tokens

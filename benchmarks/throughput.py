@@ -127,7 +127,7 @@ def bench_paxserve(prompts: list[list[int]], output_lens: list[int], *, runs: in
                 "input_tokens": in_tokens, "output_tokens": out_tokens, "seconds": seconds, "all_seconds": times,
                 **rates(len(prompts), in_tokens, out_tokens, seconds), "peak_kv_usage": peak_usage,
                 "preemptions": engine.stats.preemptions - preempt_before, "kv_blocks": engine.plan.num_blocks - 1,
-                "block_size": engine.plan.block_size, "buckets": len(engine.runner.buckets)}
+                "block_size": engine.plan.block_size, "buckets": len(engine.runner.compiled)}
     finally:
         del engine
         gc.collect()

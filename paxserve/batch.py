@@ -1,7 +1,9 @@
 """Build the padded, flattened ragged batch (numpy) that one model step consumes.
 
 Host side only (no JAX): each sequence contributes a chunk of new tokens (a prompt chunk or one
-decode token) on top of the tokens already in its cache, through its block table.
+decode token) on top of the tokens already in its cache, through its block table. The engine feeds
+`assemble_batch` from its persistent rows (`input_batch`); `build_batch` takes a list of chunks
+(tests, warm-up, tools).
 """
 
 from __future__ import annotations
@@ -65,43 +67,71 @@ def build_batch(
     padding sequences have no tokens and no context, so they change nothing."""
     if not chunks:
         raise ValueError("build_batch needs at least one sequence")
-    num_tokens = sum(len(c.token_ids) for c in chunks)
-    max_blocks = max(len(c.block_table) for c in chunks)
-    t_pad = pad_tokens_to or num_tokens
-    s_pad = pad_seqs_to or len(chunks)
-    b_pad = pad_blocks_to or max_blocks
-    if t_pad < num_tokens or s_pad < len(chunks) or b_pad < max_blocks:
+    widest = max(len(c.block_table) for c in chunks)
+    tables = np.full((len(chunks), widest), NULL_BLOCK, np.int32)
+    for s, c in enumerate(chunks):
+        tables[s, : len(c.block_table)] = c.block_table
+    return assemble_batch(
+        np.fromiter((t for c in chunks for t in c.token_ids), np.int32),
+        np.array([c.num_computed_tokens for c in chunks], np.int32),
+        np.array([len(c.token_ids) for c in chunks], np.int32),
+        tables, np.array([len(c.block_table) for c in chunks], np.int32), block_size,
+        pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to, pad_blocks_to=pad_blocks_to,
+    )
+
+
+def assemble_batch(
+    input_ids: np.ndarray,
+    num_computed: np.ndarray,
+    num_new: np.ndarray,
+    block_tables: np.ndarray,
+    num_blocks: np.ndarray,
+    block_size: int,
+    *,
+    pad_tokens_to: int | None = None,
+    pad_seqs_to: int | None = None,
+    pad_blocks_to: int | None = None,
+) -> Batch:
+    """The batch from per-sequence arrays, in numpy operations over whole arrays (no Python loop
+    per sequence or token): `input_ids` [T] the new tokens in sequence order, `num_computed` and
+    `num_new` [S] each sequence's cached and new token counts, `block_tables` [S, >= its blocks]
+    and `num_blocks` [S] how many of each row are its blocks."""
+    n, t = len(num_new), int(num_new.sum())
+    if input_ids.shape != (t,):
+        raise ValueError(f"input_ids holds {input_ids.shape[0]} tokens but the sequences feed {t}")
+    max_blocks = int(num_blocks.max())
+    t_pad, s_pad, b_pad = pad_tokens_to or t, pad_seqs_to or n, pad_blocks_to or max_blocks
+    if t_pad < t or s_pad < n or b_pad < max_blocks:
         raise ValueError(
             f"padding ({t_pad} tokens, {s_pad} seqs, {b_pad} blocks) is smaller than the batch "
-            f"({num_tokens} tokens, {len(chunks)} seqs, {max_blocks} blocks)"
+            f"({t} tokens, {n} seqs, {max_blocks} blocks)"
         )
-    input_ids = np.zeros(t_pad, np.int32)
+    context = num_computed + num_new
+    short = np.flatnonzero(context > num_blocks * block_size)
+    if short.size:
+        s = int(short[0])
+        raise ValueError(f"sequence {s} needs {int(context[s])} cache slots but its block table holds "
+                         f"{int(num_blocks[s])} blocks of {block_size}")
+    starts = np.zeros(n + 1, np.int32)
+    np.cumsum(num_new, out=starts[1:])
+    seq = np.repeat(np.arange(n, dtype=np.int32), num_new)  # the sequence of every token
     positions = np.zeros(t_pad, np.int32)
+    positions[:t] = np.arange(t, dtype=np.int32) - starts[seq] + num_computed[seq]
     slot_mapping = np.full(t_pad, NULL_BLOCK * block_size, np.int32)
-    block_tables = np.full((s_pad, b_pad), NULL_BLOCK, np.int32)
+    slot_mapping[:t] = block_tables[seq, positions[:t] // block_size] * block_size + positions[:t] % block_size
+    padded_ids = np.zeros(t_pad, np.int32)
+    padded_ids[:t] = input_ids
+    tables = np.full((s_pad, b_pad), NULL_BLOCK, np.int32)
+    width = min(b_pad, block_tables.shape[1])
+    tables[:n, :width] = block_tables[:, :width]
     context_lens = np.zeros(s_pad, np.int32)
-    query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
+    context_lens[:n] = context
+    query_start_loc = np.full(s_pad + 1, t, np.int32)
+    query_start_loc[:n] = starts[:n]
     logits_indices = np.zeros(s_pad, np.int32)
-    start = 0
-    for s, c in enumerate(chunks):
-        n = len(c.token_ids)
-        if c.context_len > len(c.block_table) * block_size:
-            raise ValueError(
-                f"sequence {s} needs {c.context_len} cache slots but its block table holds "
-                f"{len(c.block_table)} blocks of {block_size}"
-            )
-        pos = np.arange(c.num_computed_tokens, c.context_len, dtype=np.int32)
-        table = np.asarray(c.block_table, np.int32)
-        input_ids[start : start + n] = c.token_ids
-        positions[start : start + n] = pos
-        slot_mapping[start : start + n] = table[pos // block_size] * block_size + pos % block_size
-        block_tables[s, : len(table)] = table
-        context_lens[s] = c.context_len
-        query_start_loc[s] = start
-        logits_indices[s] = start + n - 1
-        start += n
+    logits_indices[:n] = starts[1:] - 1
     return Batch(
-        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
+        input_ids=padded_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
         context_lens=context_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
-        num_seqs=len(chunks), num_tokens=num_tokens,
+        num_seqs=n, num_tokens=t,
     )

@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import logging
 
-from paxserve.batch import SeqChunk
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
-from paxserve.input_batch import InputBatch
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.model_runner import ModelRunner
 from paxserve.prompt_logprobs import PromptLogprobsBuffer, build_prompt_logprobs_inputs, fill_prompt_logprobs
 from paxserve.request import Request, RequestStatus
-from paxserve.sampling_metadata import (
-    SampledTokens,
-    SamplingRow,
-    build_sampling_inputs,
-    build_state_writes,
-    needs_state,
-)
+from paxserve.sampling_metadata import SampledTokens, constrained_rows
 from paxserve.scheduler import Scheduler, SchedulerOutput
 from paxserve.stats import StatsLogger
 
@@ -48,10 +40,9 @@ class EngineCore:
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.stats = stats
-        self.input_batch = InputBatch(scheduler.config.max_num_seqs)
-        if runner.num_state_rows != self.input_batch.num_rows:
-            raise ValueError(f"the model runner has {runner.num_state_rows} sampler-state rows for "
-                             f"{self.input_batch.num_rows - 1} sequences: build both from the same max_num_seqs")
+        if runner.input_batch.num_rows != scheduler.config.max_num_seqs + 1:
+            raise ValueError(f"the model runner has rows for {runner.input_batch.num_rows - 1} sequences, the "
+                             f"scheduler runs {scheduler.config.max_num_seqs}: build both from the same max_num_seqs")
         self._samples: dict[str, list[str]] = {}  # user request id -> ids of its unfinished samples
         self.num_failed_steps = 0
         self.num_kv_cache_resets = 0
@@ -123,63 +114,44 @@ class EngineCore:
     def step(self) -> list[SampleOutput]:
         """Schedule, run the model once, and report each sample that got a token or finished."""
         out = self.scheduler.schedule()
-        for request_id in out.left_running_ids:
-            self.input_batch.remove(request_id)
         self.last_num_scheduled = len(out.scheduled)
-        if not out.scheduled:
-            self.stats.on_step(0, 0, len(out.preempted))
-            return []
-        completes = [s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens for s in out.scheduled]
-        num_prompt_tokens = sum(s.num_new_tokens for s in out.scheduled
-                                if s.num_new_tokens > 1 or s.request.num_output_tokens == 0)
         try:
-            sampled = self._execute(out)
+            self.runner.update_rows(out)
+            if not out.scheduled:
+                self.stats.on_step(0, 0, len(out.preempted_ids))
+                return []
+            requests = [self.scheduler.requests[s.request_id] for s in out.scheduled]
+            completes = [s.num_computed_tokens + s.num_new_tokens == r.num_tokens
+                         for s, r in zip(out.scheduled, requests)]
+            num_prompt_tokens = sum(s.num_new_tokens for s, r in zip(out.scheduled, requests)
+                                    if s.num_new_tokens > 1 or r.num_output_tokens == 0)
+            sampled = self._execute(out, requests, completes)
         except Exception as e:  # noqa: BLE001 - isolated: only this step's requests fail
             return self._fail_step(out, e)
         self.kv.commit()
         finished_now = {r.request_id for r in self.scheduler.update_from_output(out, sampled.token_ids)}
         outputs = []
-        for row, (s, complete) in enumerate(zip(out.scheduled, completes)):
+        for row, (request, complete) in enumerate(zip(requests, completes)):
             if complete:
-                outputs.append(self._sample_output(s.request, row, sampled, s.request.request_id in finished_now))
-        self.stats.on_step(num_prompt_tokens, sum(completes), len(out.preempted))
+                outputs.append(self._sample_output(request, row, sampled, request.request_id in finished_now))
+        self.stats.on_step(num_prompt_tokens, sum(completes), len(out.preempted_ids))
         self.stats.maybe_log(self)
         return outputs
 
-    def _execute(self, out: SchedulerOutput) -> SampledTokens:
-        chunks = [
-            SeqChunk(s.request.token_ids_slice(s.request.num_computed_tokens,
-                                               s.request.num_computed_tokens + s.num_new_tokens),
-                     s.request.num_computed_tokens, self.kv.block_ids(s.request.request_id))
-            for s in out.scheduled
-        ]
-        batch = self.runner.build(chunks)
-        rows, writes = [], []
-        for s in out.scheduled:
-            r = s.request
-            # The token is kept only where the step completes the request's known tokens; a matcher
-            # fills its bitmask row only then.
-            keep = r.num_computed_tokens + s.num_new_tokens == r.num_tokens
-            row = SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.seed, r.eos_token_ids,
-                              matcher=r.matcher if keep else None, keep=keep)
-            starts = r.request_id not in self.input_batch
-            if starts:
-                self.input_batch.add(r.request_id, needs_state(r.sampling_params, r.eos_token_ids))
-            row.state_row = self.input_batch.state_row(r.request_id)
-            if starts and row.state_row:  # (re)write its state: counts from its output so far
-                writes.append((row.state_row, row))
-            rows.append(row)
-        if writes:
-            self.runner.write_sampler_state(build_state_writes(writes, self.input_batch.num_rows, self.vocab_size))
-        sampling = build_sampling_inputs(rows, batch.context_lens.shape[0], self.vocab_size)
-        buffers = [s.request.prompt_logprobs for s in out.scheduled]
-        prompt = build_prompt_logprobs_inputs(
-            [(b, s.request.prompt_token_ids, s.request.num_computed_tokens, s.num_new_tokens)
-             for b, s in zip(buffers, out.scheduled)], batch.input_ids.shape[0])
-        if prompt is None:  # nobody scores prompt tokens this step: the plain program, nothing extra
-            return self.runner.execute(batch, sampling)
-        sampled, prompt_rows = self.runner.execute_with_prompt_logprobs(batch, sampling, prompt)
-        fill_prompt_logprobs(buffers, prompt, prompt_rows)
+    def _execute(self, out: SchedulerOutput, requests: list[Request], completes: list[bool]) -> SampledTokens:
+        # A matcher constrains its row only where the step samples a token that is kept.
+        constrained = constrained_rows([(i, r.matcher) for i, (r, keep) in enumerate(zip(requests, completes))
+                                        if keep and r.matcher is not None], self.vocab_size)
+        buffers = [r.prompt_logprobs for r in requests]
+        prompt = None
+        if any(b is not None for b in buffers):
+            prompt = build_prompt_logprobs_inputs(
+                [(b, r.prompt_token_ids, s.num_computed_tokens, s.num_new_tokens)
+                 for b, r, s in zip(buffers, requests, out.scheduled)], out.num_scheduled_tokens)
+        # Nobody scores prompt tokens this step (prompt is None): the plain program, nothing extra.
+        sampled, prompt_rows = self.runner.execute_model(out, constrained, prompt)
+        if prompt is not None:
+            fill_prompt_logprobs(buffers, prompt, prompt_rows)
         return sampled
 
     def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool) -> SampleOutput:
@@ -204,7 +176,7 @@ class EngineCore:
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[SampleOutput]:
         self.num_failed_steps += 1
-        failed = [s.request for s in out.scheduled]
+        failed = [self.scheduler.requests[s.request_id] for s in out.scheduled]
         logger.error("a model step failed: its %d sequences end with an error, every other request goes on "
                      "(%s: %s)", len(failed), type(error).__name__, str(error).splitlines()[0][:300] if str(error)
                      else "", exc_info=error)
@@ -226,7 +198,7 @@ class EngineCore:
             num_preempted = len(self.scheduler.preempt_all())
             logger.warning("the failed step lost the KV cache: made a new one; %d running requests will be "
                            "recomputed from their tokens", num_preempted)
-        self.stats.on_step(0, 0, len(out.preempted) + num_preempted)
+        self.stats.on_step(0, 0, len(out.preempted_ids) + num_preempted)
         return outputs
 
     # ---- monitoring ----------------------------------------------------------------------------

@@ -1,27 +1,58 @@
-"""The persistent batch's rows (vLLM v1's InputBatch): a running request keeps one row from the step
-it starts running until it stops (finishes, is aborted or preempted).
+"""The persistent batch (vLLM v1's InputBatch): the running requests' rows in preallocated arrays,
+changed only where the scheduler's output says something changed.
 
-A row indexes what lives across steps for that request, such as its row of the device sampler
-state (counts, prompt set, bias, held-back ids). A request that needs no sampler state still holds
-a row but reads state row 0, which stays all zeros. Rows are given back by the scheduler's report of
-requests that left the running set, so the work per step is proportional to what changed.
+A request takes a row when it starts running (the scheduler's `new_requests`: its first admission,
+or again after a preemption) and gives it back when it stops (`left_running_ids`). The row holds
+its token ids, its block table (extended by each step's `new_block_ids`), its sampling parameters
+(`SamplingColumns`) and the index of its row of the device sampler state (the same number, or 0
+when it needs none). A step's batch is then numpy gathers over the scheduled rows plus the new
+tokens: host work proportional to the step, not to the total context.
 
-Pure Python (no JAX).
+Pure Python + numpy (no JAX).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from paxserve.batch import Batch, assemble_batch
+from paxserve.sampling_metadata import SamplingColumns, SamplingInputs, SamplingRow, needs_state
+from paxserve.scheduler import NewRequestData, ScheduledRequest
+
+# (tokens, sequences, widest block table) -> their padded sizes: the model runner's buckets.
+Buckets = Callable[[int, int, int], tuple[int, int, int]]
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step's padded inputs, and which rows keep their sampled token."""
+
+    batch: Batch
+    sampling: SamplingInputs
+    rows: np.ndarray  # i32 [S]: the persistent row of each step row
+    keep: np.ndarray  # bool [S]: the step completes the request's known tokens, so its token is kept
+
 
 class InputBatch:
-    """Rows 1..max_num_seqs; row 0 is never handed out."""
+    """Rows 1..max_num_seqs; row 0 is never handed out (padding reads it: neutral sampling, state
+    row 0)."""
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, vocab_size: int) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"InputBatch: max_num_seqs must be >= 1, got {max_num_seqs}")
         self.num_rows = max_num_seqs + 1
+        self.block_size = block_size
         self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out the lowest row first
         self._rows: dict[str, int] = {}
-        self._state_rows: dict[str, int] = {}
+        self.block_table = np.zeros((self.num_rows, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(self.num_rows, np.int32)
+        self.token_ids: list[list[int]] = [[] for _ in range(self.num_rows)]  # prompt + output so far
+        self.num_tokens = np.zeros(self.num_rows, np.int32)
+        self.num_prompt_tokens = np.zeros(self.num_rows, np.int32)
+        self.sampling = SamplingColumns(self.num_rows, vocab_size)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -29,30 +60,89 @@ class InputBatch:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._rows
 
-    def add(self, request_id: str, needs_state: bool) -> int:
-        """Give a request that starts running its row; returns the row."""
-        if request_id in self._rows:
-            raise ValueError(f"InputBatch: request {request_id!r} already holds row {self._rows[request_id]}")
+    def row(self, request_id: str) -> int:
+        return self._rows[request_id]
+
+    def state_row(self, request_id: str) -> int:
+        """The request's sampler-state row, or 0 when it needs none (or holds no row)."""
+        row = self._rows.get(request_id)
+        return 0 if row is None else int(self.sampling.state_row[row])
+
+    # ---- what changed ---------------------------------------------------------------------------
+
+    def add(self, new: NewRequestData) -> SamplingRow | None:
+        """Give a request that starts running its row. Returns the sampling row whose device state
+        must be written before the step (None when it needs no state)."""
+        if new.request_id in self._rows:
+            raise ValueError(f"InputBatch: request {new.request_id!r} already holds row {self._rows[new.request_id]}")
         if not self._free:
             raise RuntimeError(f"InputBatch: all {self.num_rows - 1} rows are taken; the scheduler runs at most "
                                "max_num_seqs requests at once, so a row was not given back")
+        if len(new.block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"InputBatch: request {new.request_id!r} has {len(new.block_ids)} blocks, more than the "
+                             f"{self.block_table.shape[1]} a sequence may hold")
         row = self._free.pop()
-        self._rows[request_id] = row
-        if needs_state:
-            self._state_rows[request_id] = row
-        return row
+        self._rows[new.request_id] = row
+        self.token_ids[row] = new.prompt_token_ids + new.output_token_ids
+        self.num_tokens[row] = len(self.token_ids[row])
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_blocks[row] = 0
+        self.append_blocks(new.request_id, new.block_ids)
+        state_row = row if needs_state(new.sampling_params, new.eos_token_ids) else 0
+        self.sampling.set_row(row, new.sampling_params, new.seed, state_row)
+        if not state_row:
+            return None
+        return SamplingRow(new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.seed,
+                           new.eos_token_ids, state_row=state_row)
+
+    def append_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        row = self._rows[request_id]
+        start = int(self.num_blocks[row])
+        if start + len(block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"InputBatch: request {request_id!r} would hold {start + len(block_ids)} blocks, more "
+                             f"than the {self.block_table.shape[1]} a sequence may hold")
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
 
     def remove(self, request_id: str) -> None:
         """Give the row back (a request that holds none is ignored)."""
         row = self._rows.pop(request_id, None)
         if row is not None:
-            self._state_rows.pop(request_id, None)
+            self.token_ids[row] = []
             self._free.append(row)
-
-    def state_row(self, request_id: str) -> int:
-        """The request's sampler-state row, or 0 when it needs none."""
-        return self._state_rows.get(request_id, 0)
 
     def clear(self) -> None:
         for request_id in list(self._rows):
             self.remove(request_id)
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledRequest], buckets: Buckets) -> PreparedStep:
+        """The step's padded batch and sampling inputs, gathered from the scheduled rows."""
+        if not scheduled:
+            raise ValueError("InputBatch.prepare needs at least one scheduled request")
+        n = len(scheduled)
+        rows = np.fromiter((self._rows[s.request_id] for s in scheduled), np.int32, n)
+        num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int32, n)
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
+        token_ids = self.token_ids
+        input_ids = np.fromiter((t for s, r in zip(scheduled, rows.tolist())
+                                 for t in token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
+                                np.int32, int(num_new.sum()))
+        num_blocks = self.num_blocks[rows]
+        t_pad, s_pad, b_pad = buckets(len(input_ids), n, int(num_blocks.max()))
+        batch = assemble_batch(input_ids, num_computed, num_new, self.block_table[rows, :b_pad], num_blocks,
+                               self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
+        index = np.zeros(s_pad, np.int32)
+        index[:n] = rows
+        keep = np.zeros(s_pad, bool)
+        keep[:n] = num_computed + num_new == self.num_tokens[rows]
+        step = self.num_tokens[index] - self.num_prompt_tokens[index]
+        return PreparedStep(batch, self.sampling.gather(index, step, keep, n), rows, keep[:n])
+
+    def record(self, step: PreparedStep, sampled_token_ids: list[int]) -> None:
+        """Append each kept row's sampled token to its row's tokens."""
+        for row, keep, token in zip(step.rows.tolist(), step.keep.tolist(), sampled_token_ids):
+            if keep:
+                self.token_ids[row].append(token)
+                self.num_tokens[row] += 1

@@ -38,6 +38,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
+        # How many of a request's leading blocks are registered in the prefix cache already, so each
+        # step registers only the blocks it fills (not every full block again).
+        self._num_registered: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         # Blocks registered in the prefix cache for the step being scheduled: their KV exists only
         # once that step has run, so they are committed after it or rolled back if it fails.
@@ -104,9 +107,10 @@ class KVCacheManager:
             # only requests of this same step can have hit them, and they share its fate.
             num_full = min(total, request.num_tokens) // self.block_size
             hashes = self._hashes(request, num_full * self.block_size)
-            for i in range(num_full):
+            for i in range(self._num_registered.get(request.request_id, 0), num_full):
                 if self.pool.cache_block(blocks[i], hashes[i]):
                     self._uncommitted.append(blocks[i])
+            self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
         return True
 
     def commit(self) -> None:
@@ -119,20 +123,27 @@ class KVCacheManager:
         for block in self._uncommitted:
             self.pool.uncache_block(block)
         self._uncommitted.clear()
+        self._num_registered.clear()  # the next step re-walks each request's blocks once
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the KV cache was recreated, or between benchmark runs)."""
         self.pool.reset_prefix_cache()
         self._uncommitted.clear()
+        self._num_registered.clear()
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so those are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def forget(self, request: Request) -> None:
         """Drop the request's hash list once it is finished for good."""
         self.req_hashes.pop(request.request_id, None)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+    def num_blocks(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
+
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its `start`-th block on (all of them by default)."""
+        return [b.block_id for b in self.req_blocks.get(request_id, [])[start:]]

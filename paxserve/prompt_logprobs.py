@@ -89,6 +89,14 @@ class PromptLogprobsInputs:
             raise ValueError(f"PromptLogprobsInputs.targets must be int32 [T], got {self.targets.dtype} "
                              f"{self.targets.shape}")
 
+    def padded(self, num_tokens_padded: int) -> PromptLogprobsInputs:
+        """The same inputs over the step's padded token count (padding positions score token 0)."""
+        extra = num_tokens_padded - self.targets.shape[0]
+        if extra < 0:
+            raise ValueError(f"prompt logprob targets cover {self.targets.shape[0]} positions, more than the "
+                             f"step's {num_tokens_padded}")
+        return PromptLogprobsInputs(np.pad(self.targets, (0, extra)), self.spans)
+
 
 def build_prompt_logprobs_inputs(
     chunks: list[tuple[PromptLogprobsBuffer | None, list[int], int, int]], num_tokens_padded: int

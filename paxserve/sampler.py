@@ -47,8 +47,14 @@ class SamplingMetadata:
     allowed_token_bitmask: Int[Array, "S W"]
 
     @classmethod
-    def from_inputs(cls, inputs: SamplingInputs) -> "SamplingMetadata":
-        return cls(**{f.name: jnp.asarray(getattr(inputs, f.name)) for f in dataclasses.fields(cls)})
+    def from_inputs(cls, inputs: SamplingInputs, all_allowed: jax.Array | None = None) -> "SamplingMetadata":
+        """Copy to the device. A step without constrained rows has no bitmask: `all_allowed`, an
+        all-ones [S, W] device array the caller keeps, stands in (made here when not given)."""
+        values = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(cls)}
+        if values["allowed_token_bitmask"] is None:
+            shape = (inputs.temperature.shape[0], bitmask_width(inputs.vocab_size))
+            values["allowed_token_bitmask"] = jnp.full(shape, -1, jnp.int32) if all_allowed is None else all_allowed
+        return cls(**{name: jnp.asarray(value) for name, value in values.items()})
 
 
 @struct.dataclass

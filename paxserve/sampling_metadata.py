@@ -10,7 +10,8 @@ top-k/top-p/min-p, penalties, logit bias, min_tokens, logprobs and structured ou
 - Per-step rows ([S] each): temperature, filters, seeds, steps, penalty strengths, whether the row
   wants logprobs, whether its token is kept, and which row of the sampler state it reads.
 - The token bitmask ([S, ceil(V/32)] packed words; bit t of word t//32 allows token t), all ones for
-  free rows, filled by each row's structured-output matcher.
+  free rows, filled by each row's structured-output matcher; a step without constrained rows sends
+  none (the runner keeps an all-ones one on the device).
 - Per-request state that does not change every step (a request's output-token counts, the prompt's
   token set, its logit bias, the ids min_tokens holds back) lives on the device in `SamplerState`,
   one row per running request that needs it; it is written once when the request starts running
@@ -81,8 +82,11 @@ class SamplingInputs:
     logprobs: np.ndarray  # bool; the row wants logprobs
     state_row: np.ndarray  # i32; its row of the sampler state, 0 = none
     keep: np.ndarray  # bool; its token is kept (counted for penalties)
-    allowed_token_bitmask: np.ndarray  # i32 [S, ceil(V/32)]: bit t of word t//32 set = token t allowed
+    # i32 [S, ceil(V/32)]: bit t of word t//32 set = token t allowed; None = every token (no row is
+    # constrained), which the runner sends as a device array it keeps.
+    allowed_token_bitmask: np.ndarray | None
     num_rows: int  # real (unpadded) rows; host only
+    vocab_size: int  # host only: the bitmask's width when it is None
 
     def __post_init__(self) -> None:
         s = self.temperature.shape[0]
@@ -90,7 +94,7 @@ class SamplingInputs:
             raise ValueError(f"SamplingInputs.num_rows={self.num_rows} must be in [1, {s}]")
         if self.seed.shape != (s, 2) or self.seed.dtype != np.uint32:
             raise ValueError(f"SamplingInputs.seed must be uint32 [{s}, 2], got {self.seed.dtype} {self.seed.shape}")
-        if self.allowed_token_bitmask.shape[0] != s:
+        if self.allowed_token_bitmask is not None and self.allowed_token_bitmask.shape[0] != s:
             raise ValueError(f"SamplingInputs.allowed_token_bitmask has {self.allowed_token_bitmask.shape[0]} rows, "
                              f"expected {s}")
 
@@ -112,6 +116,31 @@ class StateWrites:
         for name in ("counts", "prompt_mask", "bias", "suppress_mask"):
             if getattr(self, name).shape[0] != k:
                 raise ValueError(f"StateWrites.{name} has {getattr(self, name).shape[0]} rows, expected {k}")
+
+
+@dataclass(slots=True)
+class ConstrainedRows:
+    """The structured-output rows of a step, as plain data: their step rows and bitmask words
+    (filled by their matchers on the host); every other row allows every token."""
+
+    rows: np.ndarray  # i32 [K]
+    words: np.ndarray  # i32 [K, ceil(V/32)]
+
+    def __post_init__(self) -> None:
+        if self.words.ndim != 2 or self.words.shape[0] != self.rows.shape[0]:
+            raise ValueError(f"ConstrainedRows: {self.rows.shape[0]} rows but words of shape {self.words.shape}")
+
+
+def constrained_rows(matchers: list[tuple[int, Any]], vocab_size: int) -> ConstrainedRows | None:
+    """Each (step row, llguidance matcher) pair's bitmask words; None when no row is constrained."""
+    if not matchers:
+        return None
+    from llguidance.numpy import fill_next_token_bitmask
+
+    words = np.full((len(matchers), bitmask_width(vocab_size)), -1, np.int32)
+    for i, (_, matcher) in enumerate(matchers):
+        fill_next_token_bitmask(matcher, words, i)
+    return ConstrainedRows(np.array([row for row, _ in matchers], np.int32), words)
 
 
 @dataclass(slots=True)
@@ -176,54 +205,86 @@ def build_state_writes(rows: list[tuple[int, SamplingRow]], num_state_rows: int,
     return out
 
 
+class SamplingColumns:
+    """Each row's sampling parameters in preallocated arrays (the persistent batch's sampling rows):
+    set once when a request starts running, gathered by index each step, so a step costs numpy
+    gathers rather than a Python pass over every request's parameters. Row 0 stays neutral (greedy
+    and nothing else): padding rows read it."""
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        if num_rows < 1 or vocab_size < 1:
+            raise ValueError(f"SamplingColumns needs num_rows >= 1 and vocab_size >= 1, got {num_rows}, {vocab_size}")
+        self.vocab_size = vocab_size
+        self.temperature = np.zeros(num_rows, np.float32)
+        self.top_k = np.zeros(num_rows, np.int32)
+        self.top_p = np.ones(num_rows, np.float32)
+        self.min_p = np.zeros(num_rows, np.float32)
+        self.seed = np.zeros((num_rows, 2), np.uint32)
+        self.min_tokens = np.zeros(num_rows, np.int32)
+        self.presence_penalty = np.zeros(num_rows, np.float32)
+        self.frequency_penalty = np.zeros(num_rows, np.float32)
+        self.repetition_penalty = np.ones(num_rows, np.float32)
+        self.logprobs = np.zeros(num_rows, bool)
+        self.state_row = np.zeros(num_rows, np.int32)
+
+    def set_row(self, row: int, params: SamplingParams, seed: int, state_row: int) -> None:
+        """Every column of `row` from a request's parameters (a new request overwrites all of them)."""
+        if row == 0:
+            raise ValueError("SamplingColumns: row 0 is the neutral padding row")
+        if params.uses_penalties and state_row == 0:
+            raise ValueError(f"row {row} uses penalties but has no sampler-state row")
+        sampled = params.temperature >= GREEDY_TEMPERATURE
+        self.temperature[row] = params.temperature if sampled else 0.0
+        # Greedy rows never force the filter path; top_k >= vocab keeps everything, so it is off too.
+        self.top_k[row] = params.top_k if sampled and 0 < params.top_k < self.vocab_size else 0
+        self.top_p[row] = params.top_p if sampled else 1.0
+        self.min_p[row] = params.min_p if sampled else 0.0
+        self.seed[row] = (int(seed) >> 32, int(seed) & 0xFFFFFFFF)
+        self.min_tokens[row] = params.min_tokens
+        penalised = params.uses_penalties
+        self.presence_penalty[row] = params.presence_penalty if penalised else 0.0
+        self.frequency_penalty[row] = params.frequency_penalty if penalised else 0.0
+        self.repetition_penalty[row] = params.repetition_penalty if penalised else 1.0
+        self.logprobs[row] = params.logprobs is not None
+        self.state_row[row] = state_row
+
+    def gather(self, rows: np.ndarray, step: np.ndarray, keep: np.ndarray, num_rows: int,
+               bitmask: np.ndarray | None = None) -> SamplingInputs:
+        """The step's inputs: `rows` [S] the column row of each step row (0 for padding), `step` [S]
+        tokens generated so far, `keep` [S] whether the row's token is kept; `bitmask` None when no
+        row is constrained."""
+        return SamplingInputs(
+            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+            min_p=self.min_p[rows], seed=self.seed[rows], step=step.astype(np.int32),
+            min_tokens=self.min_tokens[rows], presence_penalty=self.presence_penalty[rows],
+            frequency_penalty=self.frequency_penalty[rows], repetition_penalty=self.repetition_penalty[rows],
+            logprobs=self.logprobs[rows], state_row=self.state_row[rows], keep=keep.astype(bool),
+            allowed_token_bitmask=bitmask, num_rows=num_rows, vocab_size=self.vocab_size,
+        )
+
+
 def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_size: int) -> SamplingInputs:
-    """Per-row sampler inputs for `rows`, padded to `num_rows_padded`. Padding rows are greedy with
-    no state (so no penalties, bias or suppression) and keep nothing."""
+    """Per-row sampler inputs for a list of rows (tests, warm-up, tools), padded to
+    `num_rows_padded`: the same columns the engine's persistent batch gathers from. Padding rows
+    are greedy with no state (so no penalties, bias or suppression) and keep nothing."""
     if not rows:
         raise ValueError("build_sampling_inputs needs at least one row")
     if num_rows_padded < len(rows):
         raise ValueError(f"num_rows_padded={num_rows_padded} is smaller than the {len(rows)} rows")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    s = num_rows_padded
-
-    def col(dtype: type, pad: float) -> np.ndarray:
-        return np.full(s, pad, dtype)
-
-    temperature, top_k, top_p, min_p = col(np.float32, 0), col(np.int32, 0), col(np.float32, 1), col(np.float32, 0)
-    step, min_tokens, state_row = col(np.int32, 0), col(np.int32, 0), col(np.int32, 0)
-    presence, frequency, repetition = col(np.float32, 0), col(np.float32, 0), col(np.float32, 1)
-    logprobs, keep = col(bool, False), col(bool, False)
-    seed = np.zeros((s, 2), np.uint32)
-    bitmask = np.full((s, bitmask_width(vocab_size)), -1, np.int32)
+    n, s = len(rows), num_rows_padded
+    columns = SamplingColumns(n + 1, vocab_size)
+    index, step, keep = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool)
     for i, row in enumerate(rows):
-        p = row.params
-        seed[i] = (int(row.seed) >> 32, int(row.seed) & 0xFFFFFFFF)
-        step[i] = len(row.output_token_ids)
-        min_tokens[i] = p.min_tokens
-        state_row[i] = row.state_row
-        keep[i] = row.keep
-        logprobs[i] = p.logprobs is not None
-        if p.temperature >= GREEDY_TEMPERATURE:
-            temperature[i] = p.temperature
-            # top_k >= vocab keeps everything, so it is "off" and must not force the filter path.
-            top_k[i] = p.top_k if 0 < p.top_k < vocab_size else 0
-            top_p[i] = p.top_p
-            min_p[i] = p.min_p
-        if p.uses_penalties:
-            if row.state_row == 0:
-                raise ValueError(f"row {i} uses penalties but has no sampler-state row")
-            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        if row.matcher is not None:  # llguidance writes the row's words in place
-            from llguidance.numpy import fill_next_token_bitmask
-
-            fill_next_token_bitmask(row.matcher, bitmask, i)
-    return SamplingInputs(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
-        min_tokens=min_tokens, presence_penalty=presence, frequency_penalty=frequency,
-        repetition_penalty=repetition, logprobs=logprobs, state_row=state_row, keep=keep,
-        allowed_token_bitmask=bitmask, num_rows=len(rows),
-    )
+        columns.set_row(i + 1, row.params, row.seed, row.state_row)
+        index[i], step[i], keep[i] = i + 1, len(row.output_token_ids), row.keep
+    bitmask = None
+    constrained = constrained_rows([(i, r.matcher) for i, r in enumerate(rows) if r.matcher is not None], vocab_size)
+    if constrained is not None:
+        bitmask = np.full((s, bitmask_width(vocab_size)), -1, np.int32)
+        bitmask[constrained.rows] = constrained.words
+    return columns.gather(index, step, keep, n, bitmask)
 
 
 def unpack(packed: np.ndarray, num_rows: int) -> SampledTokens:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.request import Request, RequestStatus
+from paxserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +36,37 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class NewRequestData:
+    """A request that starts running this step (its first admission, or again after a preemption):
+    everything the model runner needs to give it a row of the persistent batch."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (recomputed after a preemption); a copy
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]  # its whole block table
+
+
+@dataclass(slots=True)
 class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens fed this step, starting at request.num_computed_tokens
+    """One row of the step, as plain data: which request, where it stands, what it runs."""
+
+    request_id: str
+    num_new_tokens: int  # tokens fed this step, starting at num_computed_tokens
+    num_computed_tokens: int  # tokens already in its KV cache before this step
+    new_block_ids: list[int]  # blocks it was given this step (a new request's are in its NewRequestData)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """What one step runs, as plain data (no live Request): rows in order, the requests that join
+    the persistent batch, and those that left it."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
     # Requests that stopped running since the previous schedule (finished, aborted or preempted,
     # this step's preemptions included): whatever they held per running request can be let go.
     left_running_ids: list[str] = field(default_factory=list)
@@ -120,6 +143,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_blocks_before = self.kv.num_blocks(request.request_id)
             while not self.kv.allocate_slots(request, num_new):
                 # A paused request makes no progress, so it gives up its blocks first; otherwise
                 # the newest running one does.
@@ -129,18 +153,19 @@ class Scheduler:
                 if index < i:
                     i -= 1
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(ScheduledRequest(request.request_id, num_new, request.num_computed_tokens,
+                                                      self.kv.block_ids(request.request_id, num_blocks_before)))
                 budget -= num_new
                 i += 1
                 continue
             break  # the request itself was preempted: nothing after it is running any more
 
         # Admitting new work in a step that had to preempt would only thrash.
-        thrashing = bool(out.preempted)
+        thrashing = bool(out.preempted_ids)
         while not thrashing and budget > 0:
             index = next((j for j, r in enumerate(self.waiting) if not r.paused), None)
             if index is None:
@@ -152,7 +177,7 @@ class Scheduler:
                     break
                 self.running.remove(victim)
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_ids.append(victim.request_id)
                 continue
             request = self.waiting[index]
             hits, num_hit = self.kv.get_computed_blocks(request)
@@ -163,7 +188,7 @@ class Scheduler:
                     break
                 self.running.remove(victim)  # its blocks are worth more to a request that can run
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_ids.append(victim.request_id)
                 continue
             del self.waiting[index]
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
@@ -173,7 +198,10 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.new_requests.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, request.seed, request.eos_token_ids, self.kv.block_ids(request.request_id)))
+            out.scheduled.append(ScheduledRequest(request.request_id, num_new, num_hit, []))
             budget -= num_new
         out.left_running_ids, self._left_running = self._left_running, []
         return out
@@ -183,7 +211,7 @@ class Scheduler:
         prompt chunks discard theirs). Returns requests finished by length or stop tokens."""
         finished = []
         for s, token in zip(out.scheduled, sampled, strict=True):
-            request = s.request
+            request = self.requests[s.request_id]
             request.num_computed_tokens += s.num_new_tokens
             if request.num_computed_tokens < request.num_tokens:
                 continue

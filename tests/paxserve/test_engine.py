@@ -14,7 +14,7 @@ from models.gguf_io import GGUFCheckpoint
 from models.tokenizer import tokenizer_from_gguf
 from paxserve import AsyncEngine, Engine, SamplingParams
 from paxserve.sampling_params import RequestOutputKind
-from paxserve.model_runner import _jitted_step
+from paxserve.model_runner import _jitted_logits, _sample
 from tests.helpers import make_tiny_llama
 
 VOCAB = 49152
@@ -261,16 +261,16 @@ def test_no_recompilation_in_steady_state(engine: Engine) -> None:
     # start from an empty prefix cache so the second has the shapes of the first.
     engine.reset_prefix_cache()
     engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    buckets = set(engine.runner.buckets)
-    compiled = _jitted_step(engine.model.architecture.forward)._cache_size()
+    buckets = set(engine.runner.compiled)
+    compiled = (_jitted_logits(engine.model.architecture.forward)._cache_size(), _sample._cache_size())
     engine.reset_prefix_cache()
     mixed = [SamplingParams(**{**{f: getattr(MIXED[i % len(MIXED)], f) for f in MIXED_FIELDS},
                                "max_tokens": 6, "ignore_eos": True}) for i in range(len(prompts))]
     outs = engine.generate(prompts, mixed, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert outs[1].outputs[0].logprobs is not None and len(outs[1].outputs[0].logprobs[0]) >= 5
-    assert engine.runner.buckets == buckets
-    assert _jitted_step(engine.model.architecture.forward)._cache_size() == compiled
+    assert engine.runner.compiled == buckets
+    assert (_jitted_logits(engine.model.architecture.forward)._cache_size(), _sample._cache_size()) == compiled
 
 
 MIXED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "presence_penalty", "frequency_penalty",

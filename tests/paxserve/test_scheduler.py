@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from paxserve.input_batch import InputBatch
 from paxserve.kv_cache_manager import KVCacheManager, cdiv
 from paxserve.request import Request, RequestStatus
 from paxserve.sampling_params import SamplingParams
@@ -40,13 +41,13 @@ def make_req(rid: str, prompt, max_tokens: int = 4, eos=(), **params) -> Request
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+    return [(s.request_id, s.num_new_tokens) for s in out.scheduled]
 
 
 def step(sched: Scheduler, token: int | dict[str, int] = 7) -> tuple[SchedulerOutput, list[Request]]:
     """One engine step with a fake model that samples `token` (or token[request_id])."""
     out = sched.schedule()
-    sampled = [token[s.request.request_id] if isinstance(token, dict) else token for s in out.scheduled]
+    sampled = [token[s.request_id] if isinstance(token, dict) else token for s in out.scheduled]
     return out, sched.update_from_output(out, sampled)
 
 
@@ -317,7 +318,7 @@ def test_abort_running_frees_blocks_at_once():
     assert sched.abort("a") is None  # unknown now
     for _ in range(5):
         out, _ = step(sched)
-        assert all(s.request is not a for s in out.scheduled)
+        assert all(s.request_id != "a" for s in out.scheduled)
     assert a.num_computed_tokens == 8
     assert b.status == RequestStatus.FINISHED_LENGTH
     assert sched.kv.num_free_blocks == free0
@@ -339,7 +340,7 @@ def test_abort_waiting():
     assert free0 - sched.kv.num_free_blocks == used
     for _ in range(4):
         out, _ = step(sched)
-        assert all(s.request is not b for s in out.scheduled)
+        assert all(s.request_id != "b" for s in out.scheduled)
     assert b.output_token_ids == [] and b.num_computed_tokens == 0
     assert sched.num_unfinished == 0
     assert sched.kv.num_free_blocks == free0
@@ -371,7 +372,7 @@ def test_abort_preempted_request():
     sched.add_request(b)
     for _ in range(3):
         out, _ = step(sched)
-    assert out.preempted == [b] and b.status == RequestStatus.PREEMPTED
+    assert out.preempted_ids == ["b"] and b.status == RequestStatus.PREEMPTED
     free_before = sched.kv.num_free_blocks
     assert sched.abort("b") is b
     assert b.status == RequestStatus.FINISHED_ABORTED
@@ -405,7 +406,7 @@ def test_preempt_newest_and_resume(enable_caching):
     out = sched.schedule()
     assert sched.kv.block_ids("a") == [1, 2, 4]  # b's tail block (freed first) is reused first
     finished = sched.update_from_output(out, [103])
-    assert out.preempted == [b]
+    assert out.preempted_ids == ["b"]
     assert plan(out) == [("a", 1)]  # c is not admitted in a step that preempted
     assert b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0
@@ -447,7 +448,7 @@ def test_preempt_self_when_newest():
     step(sched)
     assert (a.num_tokens, b.num_tokens) == (7, 9)
     out, _ = step(sched)
-    assert out.preempted == [b]  # b is the newest: it preempts itself, a keeps running
+    assert out.preempted_ids == ["b"]  # b is the newest: it preempts itself, a keeps running
     assert plan(out) == [("a", 1)]
     assert sched.running == [a]
     assert list(sched.waiting) == [b]
@@ -455,9 +456,9 @@ def test_preempt_self_when_newest():
     assert sched.kv.block_ids("a") == [1, 2]
     assert sched.kv.pool.free_queue.block_ids() == [4, 3]
     out, _ = step(sched)  # a: 8 tokens, 2 blocks; b needs 3 blocks, 2 free: stays waiting
-    assert plan(out) == [("a", 1)] and out.preempted == []
+    assert plan(out) == [("a", 1)] and out.preempted_ids == []
     out = sched.schedule()  # a's 9th token: takes block 4; b still cannot come in
-    assert plan(out) == [("a", 1)] and out.preempted == []
+    assert plan(out) == [("a", 1)] and out.preempted_ids == []
     assert sched.kv.block_ids("a") == [1, 2, 4]
     sched.update_from_output(out, [7])
     assert a.num_output_tokens == 5
@@ -499,7 +500,7 @@ def test_preempted_request_recomputes_in_chunks():
     for i, (scheduled, preempted, a_blocks, b_blocks) in enumerate(expected):
         out = sched.schedule()
         assert plan(out) == scheduled, i
-        assert [r.request_id for r in out.preempted] == preempted, i
+        assert out.preempted_ids == preempted, i
         assert (sched.kv.block_ids("a"), sched.kv.block_ids("b")) == (a_blocks, b_blocks), i
         if preempted:
             assert b.num_computed_tokens == 0 and sched.waiting[0] is b
@@ -589,54 +590,80 @@ def check_blocks(sched: Scheduler) -> None:
     assert len(sched.running) <= MAX_SEQS
 
 
-def checked_step(sched: Scheduler, tokens: list[int], expected_out: dict[str, list[int]]) -> None:
+def checked_step(sched: Scheduler, tokens: list[int], expected_out: dict[str, list[int]],
+                 rows: InputBatch | None = None) -> None:
+    """One step with every scheduling invariant checked. With `rows`, a persistent batch is kept in
+    step from the output's plain data alone, and must equal a from-scratch build: each running
+    request's block table, tokens and position."""
     running_before = list(sched.running)
     waiting_before = list(sched.waiting)
     out = sched.schedule()
     assert out.num_scheduled_tokens <= BUDGET
     assert len(sched.running) <= MAX_SEQS
-    if sched.num_unfinished and not out.preempted:
+    if sched.num_unfinished and not out.preempted_ids:
         assert out.scheduled, "nothing scheduled although requests are waiting"
     # Preempted requests are the newest running ones, newest first, now at the front of waiting.
-    k = len(out.preempted)
-    assert out.preempted == running_before[::-1][:k]
-    assert list(sched.waiting)[:k] == out.preempted[::-1]
-    for r in out.preempted:
+    preempted = [r for r in running_before if r.request_id in out.preempted_ids]
+    k = len(preempted)
+    assert out.preempted_ids == [r.request_id for r in running_before[::-1][:k]]
+    assert [r.request_id for r in list(sched.waiting)[:k]] == out.preempted_ids[::-1]
+    for r in preempted:
         assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0
         assert sched.kv.block_ids(r.request_id) == []
-    sched_reqs = [s.request for s in out.scheduled]
+        assert r.request_id in out.left_running_ids
+    sched_reqs = [sched.requests[s.request_id] for s in out.scheduled]
     assert len(set(map(id, sched_reqs))) == len(sched_reqs)
     old = [r for r in sched_reqs if r in running_before]
     new = [r for r in sched_reqs if r not in running_before]
     assert sched_reqs == old + new  # running first
     assert old == [r for r in running_before if r in old]
     assert old == running_before[: len(old)]  # a prefix of the running order
-    if out.preempted:
+    if out.preempted_ids:
         assert new == []  # no admission in a step that preempted
     assert new == waiting_before[: len(new)]  # FCFS
+    assert [n.request_id for n in out.new_requests] == [r.request_id for r in new]
     if new:
-        for s in out.scheduled[: len(old)]:
-            assert s.num_new_tokens == s.request.num_tokens - s.request.num_computed_tokens
-    for s in out.scheduled:
-        r = s.request
-        assert s.num_new_tokens >= 1
+        for s, r in zip(out.scheduled[: len(old)], old):
+            assert s.num_new_tokens == r.num_tokens - r.num_computed_tokens
+    for s, r in zip(out.scheduled, sched_reqs):
+        assert s.num_new_tokens >= 1 and s.num_computed_tokens == r.num_computed_tokens
         assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
         assert len(sched.kv.block_ids(r.request_id)) * sched.kv.block_size >= r.num_computed_tokens + s.num_new_tokens
         assert r.status == RequestStatus.RUNNING
-        if r in new and r.status == RequestStatus.RUNNING and r.num_preemptions == 0:
-            assert r.num_computed_tokens == r.num_cached_tokens
+        if r in new:
+            assert s.new_block_ids == []  # its NewRequestData holds its whole table
+            if r.num_preemptions == 0:
+                assert r.num_computed_tokens == r.num_cached_tokens
+    if rows is not None:
+        for request_id in out.left_running_ids:
+            rows.remove(request_id)
+        for n in out.new_requests:
+            rows.add(n)
+        for s in out.scheduled:
+            rows.append_blocks(s.request_id, s.new_block_ids)
+        assert len(rows) == len(sched.running)
+        for r in sched.running:
+            row = rows.row(r.request_id)
+            table = sched.kv.block_ids(r.request_id)
+            assert rows.block_table[row, : rows.num_blocks[row]].tolist() == table
+            assert rows.token_ids[row] == r.all_token_ids
     check_blocks(sched)
     sampled = [tokens[k % len(tokens)] for k in range(len(out.scheduled))]
-    for s, t in zip(out.scheduled, sampled):
-        if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens:
-            expected_out[s.request.request_id].append(t)
+    for s, r, t in zip(out.scheduled, sched_reqs, sampled):
+        if r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
+            expected_out[r.request_id].append(t)
+    if rows is not None and out.scheduled:
+        prepared = rows.prepare(out.scheduled, lambda t, n, b: (t, n, b))
+        flat = [t for s, r in zip(out.scheduled, sched_reqs)
+                for t in r.token_ids_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)]
+        assert prepared.batch.input_ids.tolist() == flat
+        rows.record(prepared, sampled)
     finished = sched.update_from_output(out, sampled)
     for r in finished:
         assert r.status.finished
         assert sched.kv.block_ids(r.request_id) == []
         assert r.request_id not in sched.requests
-    for s in out.scheduled:
-        r = s.request
+    for r in sched_reqs:
         assert r.output_token_ids == expected_out[r.request_id]
         assert r.num_output_tokens <= r.max_tokens
         if r.status == RequestStatus.FINISHED_LENGTH:
@@ -652,7 +679,10 @@ def checked_step(sched: Scheduler, tokens: list[int], expected_out: dict[str, li
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops)
 def test_random_add_step_abort_invariants(enable_caching, ops):
+    """Random adds, steps and aborts keep every scheduling invariant, and a persistent batch kept
+    from the scheduler's plain-data outputs alone always equals a from-scratch build."""
     sched = make_sched(NUM_BLOCKS, MAX_SEQS, BUDGET, MAX_LEN, enable_caching, block_size=BS)
+    rows = InputBatch(MAX_SEQS, cdiv(MAX_LEN, BS), BS, vocab_size=64)
     ids: list[str] = []
     all_reqs: list[Request] = []
     expected_out: dict[str, list[int]] = {}
@@ -670,7 +700,7 @@ def test_random_add_step_abort_invariants(enable_caching, ops):
             all_reqs.append(req)
             expected_out[req.request_id] = []
         elif op[0] == "step":
-            checked_step(sched, op[1], expected_out)
+            checked_step(sched, op[1], expected_out, rows)
         else:
             if not ids:
                 continue
@@ -691,7 +721,7 @@ def test_random_add_step_abort_invariants(enable_caching, ops):
     for _ in range(1000):
         if not sched.num_unfinished:
             break
-        checked_step(sched, [1, 2, 3], expected_out)
+        checked_step(sched, [1, 2, 3], expected_out, rows)
     else:
         raise AssertionError("livelock: requests never finished")
     for r in all_reqs:
@@ -734,7 +764,7 @@ def test_a_paused_request_gives_up_its_blocks_first():
     a.paused = True
     sched.add_request(c)
     out, _ = step(sched)
-    assert out.preempted == [a], "the paused request, not the newest running one, makes room"
+    assert out.preempted_ids == ["a"], "the paused request, not the newest running one, makes room"
     assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0 and a.paused
     assert ("c", 9) in plan(out) and ("b", 1) in plan(out)
     # While paused it is not readmitted, even with room; once resumed it is recomputed.
@@ -746,7 +776,7 @@ def test_a_paused_request_gives_up_its_blocks_first():
 def run_to_completion_except(sched: Scheduler, held: set[str]) -> None:
     while any(r.request_id not in held for r in sched.requests.values()):
         out, _ = step(sched)
-        assert all(s.request.request_id not in held for s in out.scheduled)
+        assert all(s.request_id not in held for s in out.scheduled)
 
 
 def test_paused_requests_do_not_hold_every_batch_slot():
@@ -758,7 +788,7 @@ def test_paused_requests_do_not_hold_every_batch_slot():
     a.paused = b.paused = True
     sched.add_request(c)
     out, _ = step(sched)
-    assert out.preempted == [b] and plan(out) == [("c", 5)]  # the newest paused one gives its slot up
+    assert out.preempted_ids == ["b"] and plan(out) == [("c", 5)]  # the newest paused one gives its slot up
     assert len(sched.running) == 2
 
 
@@ -772,4 +802,4 @@ def test_a_running_request_preempts_a_paused_one_before_itself():
     a.paused = True
     step(sched)
     out, _ = step(sched)
-    assert out.preempted == [a] and plan(out) == [("b", 1)]
+    assert out.preempted_ids == ["a"] and plan(out) == [("b", 1)]

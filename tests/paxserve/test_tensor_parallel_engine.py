@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from paxserve import Engine, SamplingParams
-from paxserve.model_runner import _jitted_step
+from paxserve.model_runner import _jitted_logits, _sample
 from tests.helpers import make_tiny_llama
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, assert_no_blocks_held
 
@@ -47,7 +47,8 @@ def test_engine_at_tp_2_gives_transformers_tokens_through_preemption_chunking_an
     prompts = make_prompts(10, seed=4)
     with caplog.at_level(logging.INFO):
         engine = Engine(str(directory), **ARGS, tensor_parallel_size=2)
-    compiled_before = _jitted_step(engine.model.architecture.forward)._cache_size()
+    compiled_before = _jitted_logits(engine.model.architecture.forward)._cache_size()
+    samplers_before = _sample._cache_size()
     assert "tensor parallel over 2 devices" in caplog.text and "KV head(s) per device" in caplog.text
     assert engine.model.params.layers.qkv_w.sharding.spec[2] == "tp"
     assert engine.runner.kv_cache.k.sharding.spec[3] == "tp"
@@ -56,11 +57,13 @@ def test_engine_at_tp_2_gives_transformers_tokens_through_preemption_chunking_an
     assert engine.stats.preemptions > 0 and engine.kv.prefix_stats.hits > 0
     assert_no_blocks_held(engine)
     # The sampler's state lives whole on every device and keeps its placement from step to step, so
-    # each bucket compiles once (a placement that changed would compile its bucket again).
+    # each bucket compiles once (a placement that changed would compile its bucket again), and the
+    # sampler once per sequence bucket.
     assert engine.runner.sampler_state.counts.sharding.is_fully_replicated
     assert len(engine.runner.sampler_state.counts.sharding.device_set) == 2
-    assert _jitted_step(engine.model.architecture.forward)._cache_size() - compiled_before == \
-        len(engine.runner.buckets)
+    assert _jitted_logits(engine.model.architecture.forward)._cache_size() - compiled_before == \
+        len(engine.runner.compiled)
+    assert _sample._cache_size() - samplers_before <= len({key[1] for key in engine.runner.compiled})
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
