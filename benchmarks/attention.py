@@ -29,7 +29,7 @@ import models.decoder as llama  # noqa: E402  (the one decoder; its `attention` 
 from models.loader import load_model  # noqa: E402
 from pallas_kernels import KVCache  # noqa: E402
 from paxserve.batch import SeqChunk, build_batch, next_power_of_2  # noqa: E402
-from paxserve.model_runner import _metadata  # noqa: E402
+from paxserve.step_functions import attention_metadata as _metadata  # noqa: E402
 
 BLOCK = 16
 

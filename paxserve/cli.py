@@ -220,8 +220,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_attention_backend(eng)
     _add_model_source_flags(eng, defaults_in_help=True)
     eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                     help="compile the decode batch buckets at start-up (--no-warmup starts faster and compiles "
-                          "on first use)")
+                     help="load the stored step programs and compile the decode batch buckets at start-up "
+                          "(--no-warmup starts faster and compiles on first use)")
+    eng.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                     help="where compiled step programs are stored, so later starts load them instead of "
+                          "compiling (default $XDG_CACHE_HOME/paxserve/programs; '' stores nothing)")
+    eng.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=True,
+                     help="compile a step shape not seen yet off the step thread while a compiled one that covers "
+                          "it (at most 4x the work) serves, and the shapes growing batches reach next before they "
+                          "do (--no-compile-in-background: compile in the step that needs it)")
 
 
 def _generation_config(text: str) -> str:

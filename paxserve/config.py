@@ -38,8 +38,12 @@ class EngineConfig:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of each split by width
-    compilation_cache_dir: str | None = None  # None: <cache dir>/xla; "" disables the persistent cache
+    # Where compiled step programs are stored for later starts: None = <cache dir>/programs, "" = nowhere.
+    compilation_cache_dir: str | None = None
     warmup: bool = True  # compile the decode buckets at start-up instead of on first use
+    # Compile a step's missing bucket off the step thread while a compiled one that covers it serves
+    # (and the buckets growing batches reach next, before they do); False: compile in the step.
+    compile_in_background: bool = True
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
     attention_backend: str = "auto"  # "auto" | "pallas" | "reference"; resolved at Engine start
     # Request defaults: "auto" = the checkpoint's generation_config.json (temperature, top_p, top_k,

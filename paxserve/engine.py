@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 from models.loader import cache_root, inspect_model, load_model
 from models.registry import get_architecture
 from models.sharding import TensorParallel, device_share, param_bytes
-from paxserve.batch import SeqChunk, next_power_of_2
 from paxserve.config import EngineConfig
 from paxserve.engine_core import EngineCore
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot
@@ -29,14 +28,14 @@ from paxserve.generation_config import GENERATION_CONFIG_MODES, resolve_sampling
 from paxserve.input_processor import InputProcessor, Prompt
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.memory import plan_kv_cache
-from paxserve.model_runner import ModelRunner, measure_activation_bytes
+from paxserve.model_runner import ModelRunner
 from paxserve.output_processor import OutputProcessor
 from paxserve.outputs import RequestOutput
 from paxserve.sampler import SamplerState
-from paxserve.sampling_metadata import SamplingRow, build_sampling_inputs
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
 from paxserve.scheduler import Scheduler, SchedulerConfig
 from paxserve.stats import StatsLogger
+from paxserve.step_functions import StepShapes, measure_activation_bytes
 from pallas_kernels import resolve_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -51,14 +50,6 @@ def _device_memory_bytes() -> int | None:
         return None
     stats = device.memory_stats() or {}
     return stats.get("bytes_limit")
-
-
-def _enable_compilation_cache(directory: str) -> None:
-    # JAX's persistent cache is process-wide configuration; the engine sets it only if nobody has.
-    if not jax.config.jax_compilation_cache_dir:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class Engine:
@@ -77,8 +68,8 @@ class Engine:
         # model's own file, which load_model returns.
         file_defaults = None if config.generation_config in GENERATION_CONFIG_MODES else \
             resolve_sampling_defaults(config.generation_config, {}, "")
-        if config.compilation_cache_dir != "":
-            _enable_compilation_cache(config.compilation_cache_dir or str(cache_root() / "xla"))
+        # Step programs are kept in the engine's own store (paxserve/programs.py), loaded without
+        # tracing; JAX's persistent cache would only hand back executables that cannot be stored.
         info = inspect_model(model, config.dtype)
         arch = get_architecture(info.config.architecture)
         # Checked before anything loads: a size the model cannot split fails naming the valid ones.
@@ -100,10 +91,11 @@ class Engine:
         if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
             model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
                 info.config.max_position_embeddings
+            shapes = StepShapes(info.config, arch, info.dtype, config.block_size, 2, config.max_num_seqs + 1,
+                                self.attention_backend, tp)
             activation_bytes = measure_activation_bytes(
-                info.config, arch, info.dtype, config.block_size,
-                config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
-                -(-model_len // config.block_size), attention_backend=self.attention_backend, tp=tp)
+                shapes, config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
+                -(-model_len // config.block_size))
             logger.info("activation peak of the largest step: %.2f GiB%s", activation_bytes / 2**30,
                         "" if tp is None else " per device")
         if tp is not None:
@@ -135,8 +127,11 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len), self.kv
         )
+        store = None if config.compilation_cache_dir == "" else Path(config.compilation_cache_dir or
+                                                                      cache_root() / "programs")
         self.runner = ModelRunner(self.model, self.plan.num_blocks, config.block_size, self.max_model_len,
-                                  attention_backend=self.attention_backend, max_num_seqs=config.max_num_seqs)
+                                  attention_backend=self.attention_backend, max_num_seqs=config.max_num_seqs,
+                                  program_store=store, background_compile=config.compile_in_background)
         self.stats = StatsLogger(config.log_stats_interval)
         self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
@@ -264,17 +259,11 @@ class Engine:
     # ---- start-up ------------------------------------------------------------------------------
 
     def _warmup(self) -> None:
-        """Compile the greedy decode step for every batch-size bucket now, not during the first
-        requests. Other shapes compile on first use; all land in the persistent compilation cache."""
-        top = min(next_power_of_2(self.config.max_num_seqs), next_power_of_2(self.max_num_batched_tokens))
-        sizes = [1 << i for i in range(top.bit_length())]
-        greedy = SamplingParams(temperature=0.0)
+        """Load the compiled programs a previous start stored (nothing is traced), then make sure the
+        decode step of every batch-size bucket and its sampler are ready now, not during the first
+        requests. Other buckets compile when first needed, or ahead of it in the background."""
         start = time.perf_counter()
-        for s in tqdm(sizes, desc="Compiling decode buckets", unit="bucket", disable=None):
-            chunks = [SeqChunk([0], 0, [1]) for _ in range(s)]  # writes land in a free block, never read
-            rows = [SamplingRow(greedy, [0], [], 0, ()) for _ in range(s)]
-            batch = self.runner.build(chunks)
-            self.runner.execute(batch, build_sampling_inputs(rows, batch.context_lens.shape[0],
-                                                             self.model_config.vocab_size))
+        loaded, compiled = self.runner.warmup(self.config.max_num_seqs, self.max_num_batched_tokens)
         self.warmup_seconds = time.perf_counter() - start
-        logger.info("compiled %d decode buckets (batch sizes %s) in %.1fs", len(sizes), sizes, self.warmup_seconds)
+        logger.info("step programs ready in %.1fs: %d loaded from the program store, %d compiled now", self.warmup_seconds,
+                    loaded, compiled)

@@ -1,35 +1,31 @@
-"""Runs one padded batch through the jitted model step, owning the device-side KV cache and the
-sampler's per-request state.
+"""Runs the engine's steps on the device: owns the KV cache, the sampler's per-request state, the
+persistent batch and the compiled step programs.
 
 Shapes are bucketed to powers of two (tokens x sequences x block-table width), and those three are
-the only compile keys: every sampler feature is runtime data (see `sampling_metadata`), so XLA
-compiles a bounded set of programs; each new bucket is logged when it compiles.
+the only compile keys of the forward (the sampler's is the sequence bucket alone): every sampler
+feature is runtime data (see `sampling_metadata`). Programs are compiled ahead of time and stored
+(`programs`); a step whose bucket is not compiled yet runs in a compiled bucket that covers it, if
+one costs at most `_COVER_COST` times as much, while its own compiles in the background; growing
+contexts and batches have the next bucket compiled before they reach it.
 """
 
 from __future__ import annotations
 
 import logging
-from functools import cache
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from tqdm.auto import tqdm
 
 from models.loader import LoadedModel
-from models.sharding import TensorParallel
 from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
 from paxserve.input_batch import InputBatch
+from paxserve.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.prompt_logprobs import PROMPT_PACKED_WIDTH, PromptLogprobsInputs
-from paxserve.sampler import (
-    SamplerState,
-    SamplingMetadata,
-    prompt_logprob_columns,
-    sample,
-    state_writes_args,
-    write_state_rows,
-)
+from paxserve.sampler import SamplerState, SamplingMetadata, state_writes_args
 from paxserve.sampling_metadata import (
     PACKED_WIDTH,
     ConstrainedRows,
@@ -40,85 +36,27 @@ from paxserve.sampling_metadata import (
     build_state_writes,
     unpack,
 )
-from paxserve.sampling_params import MAX_LOGPROBS
 from paxserve.scheduler import SchedulerOutput
-from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
+from paxserve.step_functions import StepShapes, attention_metadata, jitted_logits, write_state_rows_step
+from pallas_kernels import REFERENCE, AttentionBackend, KVCache
 
 logger = logging.getLogger(__name__)
 
-
-_STATIC = ("cfg", "attention_backend", "tp")
-
-
-def _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
-                 attention_backend: AttentionBackend, tp: TensorParallel | None):
-    if tp is None:
-        return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend)
-    return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend)(
-        params, kv_cache, input_ids, positions, metadata)
-
-
-@cache
-def _jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """The forward: logits [S, V] at each sequence's last token (float32, left on the device). One
-    jitted function per architecture, shared by all runners, so XLA's cache (keyed by the static
-    config and shapes) is reused across runners. Under tensor parallelism the forward runs split
-    over the mesh and the logits come back whole on every device."""
-
-    def logits(params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
-               attention_backend=REFERENCE, tp=None):  # noqa: ANN001
-        return _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp)
-
-    return jax.jit(logits, static_argnames=_STATIC, donate_argnums=(1,))
-
-
-@cache
-def _jitted_all_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """The forward with logits at every token position ([T, V] float32: the memory cost only
-    batches that ask for prompt logprobs pay)."""
-
-    def logits(params, kv_cache, input_ids: Int[Array, " T"], positions: Int[Array, " T"],  # noqa: ANN001, ANN202
-               metadata: AttentionMetadata, cfg, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
-        every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
-        return _run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp)
-
-    return jax.jit(logits, static_argnames=_STATIC, donate_argnums=(1,))
-
-
-def _sample_and_score(logits: Float[Array, "T V"], logits_indices: Int[Array, " S"], sampling: SamplingMetadata,
-                      sampler_state: SamplerState, targets: Int[Array, " T"]) -> tuple[jax.Array, SamplerState]:
-    """Sample each sequence's row of the all-positions logits and give every position its
-    prompt-logprob columns (the top MAX_LOGPROBS, whatever the requests asked: the host keeps what
-    each asked for), as one flat float32 array (one host copy)."""
-    sampled, sampler_state = sample(logits[logits_indices], sampling, sampler_state)
-    prompt = prompt_logprob_columns(logits, targets, MAX_LOGPROBS)
-    return jnp.concatenate([sampled.reshape(-1), prompt.reshape(-1)]), sampler_state
-
-
-# Sampling is its own program, run on the forward's logits without leaving the device: it compiles
-# once per sequence bucket, not once per (tokens, sequences, block-table width) bucket of the model.
-_sample = jax.jit(sample, donate_argnums=(2,))
-_sample_and_score_jit = jax.jit(_sample_and_score, donate_argnums=(3,))
-# Rewrites whole rows of the sampler state in place (compiled once per power of two of rows).
-_write_state_rows = jax.jit(write_state_rows, donate_argnums=(0,))
-
-
-def _metadata(batch: Batch) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=jnp.asarray(batch.slot_mapping),
-        block_tables=jnp.asarray(batch.block_tables),
-        context_lens=jnp.asarray(batch.context_lens),
-        query_start_loc=jnp.asarray(batch.query_start_loc),
-        logits_indices=jnp.asarray(batch.logits_indices),
-    )
+# A step may run in a compiled bucket that costs up to this many times its own (tokens x sequences
+# x block width) while its own compiles in the background; a larger one is not worth it.
+_COVER_COST = 4
 
 
 class ModelRunner:
-    """Params + KV cache + sampler state + jitted steps. The cache and the state are donated to every
-    step and replaced by its outputs, so XLA updates them in place."""
+    """Params + KV cache + sampler state + persistent batch + compiled programs. The cache and the
+    state are donated to every step and replaced by its outputs, so XLA updates them in place.
+
+    `program_store`: a directory for compiled programs (None: compile in this process only);
+    `background_compile`: compile a missing bucket off the step thread while a covering one serves."""
 
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None,
-                 attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256) -> None:
+                 attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256,
+                 program_store: Path | None = None, background_compile: bool = False) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
@@ -126,7 +64,7 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.attention_backend = attention_backend  # static argument of every jitted step
+        self.attention_backend = attention_backend  # static argument of every program
         self.max_blocks_per_seq = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
         self._num_blocks = num_blocks
         # Row 0 is the all-zero row of requests without state; each running request may hold one more.
@@ -134,7 +72,13 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, cfg.vocab_size)
         self.kv_cache = self._new_kv_cache()
         self.sampler_state = self._new_sampler_state()
-        self.compiled: set[tuple] = set()  # compiled step shapes, for the log and for tests
+        self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
+                                 self.num_state_rows, attention_backend, model.tp)
+        common = "|".join([environment_fingerprint(), source_fingerprint()])
+        devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
+        self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),
+                                 program_store, background_compile, devices)
+        self.compiled: set[tuple] = set()  # buckets the steps ran in, for the log and for tests
         self._all_allowed: dict[int, jax.Array] = {}  # the bitmask of steps without constrained rows, by S
 
     def _new_kv_cache(self) -> KVCache:
@@ -181,17 +125,66 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         self.sampler_state = self._new_sampler_state()
 
-    def buckets(self, num_tokens: int, num_seqs: int, widest: int) -> tuple[int, int, int]:
-        """A step's padded sizes, its compile key: powers of two in tokens, sequences and block-table
-        width (the width capped at what one sequence may hold)."""
+    # ---- buckets and programs ----------------------------------------------------------------------
+
+    def exact_buckets(self, num_tokens: int, num_seqs: int, widest: int) -> tuple[int, int, int]:
+        """A step's own padded sizes: powers of two in tokens, sequences and block-table width (the
+        width capped at what one sequence may hold)."""
         return (next_power_of_2(num_tokens), next_power_of_2(num_seqs),
                 min(next_power_of_2(widest), max(widest, self.max_blocks_per_seq)))
 
+    def buckets(self, num_tokens: int, num_seqs: int, widest: int, kind: str = "forward") -> tuple[int, int, int]:
+        """The padded sizes a step runs at: its own bucket when that program is ready (or cannot be
+        had any other way: it is then compiled before the step runs), else the cheapest compiled one
+        that covers it within `_COVER_COST` while its own compiles in the background. Either way the
+        buckets a growing batch reaches next start compiling in the background."""
+        exact = self.exact_buckets(num_tokens, num_seqs, widest)
+        self._prefetch(kind, exact)
+        if (kind, *exact) in self.programs or not self.programs.background:
+            return exact
+        t, s, b = exact
+        covers = [key[1:] for key in self.programs.keys() if key[0] == kind and key[1] >= t and key[2] >= s
+                  and key[3] >= b and key[1] * key[2] * key[3] <= _COVER_COST * t * s * b]
+        if not covers:
+            return exact
+        self.programs.compile_later((kind, *exact))
+        return min(covers, key=lambda k: k[0] * k[1] * k[2])
+
+    def _prefetch(self, kind: str, exact: tuple[int, int, int]) -> None:
+        """Decode steps grow one token per step and batches grow one request at a time: have the next
+        block width, and the next batch of decode steps, compiled before they are needed."""
+        if kind != "forward" or not self.programs.background:
+            return
+        t, s, b = exact
+        if b < self.max_blocks_per_seq:
+            self.programs.compile_later((kind, t, s, min(2 * b, self.max_blocks_per_seq)))
+        if t == s and 2 * s <= self.num_state_rows - 1:  # a decode step: one token per sequence
+            self.programs.compile_later((kind, 2 * t, 2 * s, b))
+            self.programs.compile_later(("sample", 2 * s))
+
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        """Load every stored program, then have the decode step of every batch-size bucket (block
+        width 1) and its sampler compiled: with background compiles, the single-sequence ones now and
+        the rest in the background (ascending), so the engine serves at once; else all of them now.
+        Returns (programs loaded, programs compiled now)."""
+        loaded = self.programs.load_stored()
+        compiled_before = self.programs.num_compiled
+        top = min(next_power_of_2(max_num_seqs), next_power_of_2(max_num_batched_tokens))
+        keys = [key for s in (1 << i for i in range(top.bit_length())) for key in (("forward", s, s, 1), ("sample", s))]
+        missing = [key for key in keys if key not in self.programs]
+        now, later = (missing[:2], missing[2:]) if self.programs.background else (missing, [])
+        for key in tqdm(now, desc="Compiling decode steps", unit="program", disable=None if now else True):
+            self.programs.get(key)
+        for key in later:
+            self.programs.compile_later(key)
+        if later:
+            logger.info("compiling %d more decode-step programs in the background", len(later))
+        return loaded, self.programs.num_compiled - compiled_before
     def build(self, chunks: list[SeqChunk]) -> Batch:
-        """Pad a list of chunks to its bucket (tests, warm-up, tools; the engine's steps come from the
+        """Pad a list of chunks to its own bucket (tests, tools; the engine's steps come from the
         persistent batch)."""
-        t, s, b = self.buckets(sum(len(c.token_ids) for c in chunks), len(chunks),
-                               max(len(c.block_table) for c in chunks))
+        t, s, b = self.exact_buckets(sum(len(c.token_ids) for c in chunks), len(chunks),
+                                     max(len(c.block_table) for c in chunks))
         return build_batch(chunks, self.block_size, pad_tokens_to=t, pad_seqs_to=s, pad_blocks_to=b)
 
     # ---- the engine's steps: the persistent batch -------------------------------------------------
@@ -219,7 +212,8 @@ class ModelRunner:
         batch, constrained rows' bitmask words (plain data from the engine core) are placed in an
         all-ones bitmask, and the rows' kept tokens are recorded. With `prompt`, also returns the
         prompt-logprob rows (see `execute_with_prompt_logprobs`)."""
-        step = self.input_batch.prepare(out.scheduled, self.buckets)
+        kind = "forward" if prompt is None else "all_logits"
+        step = self.input_batch.prepare(out.scheduled, lambda t, s, b: self.buckets(t, s, b, kind))
         if constrained is not None:
             bitmask = np.full((step.batch.context_lens.shape[0], constrained.words.shape[1]), -1, np.int32)
             bitmask[constrained.rows] = constrained.words
@@ -233,10 +227,7 @@ class ModelRunner:
         self.input_batch.record(step, sampled.token_ids)
         return sampled, prompt_rows
 
-    def _note_bucket(self, key: tuple) -> None:
-        if key not in self.compiled:
-            self.compiled.add(key)
-            logger.info("compiling model step for bucket %s (%d compiled so far)", key, len(self.compiled))
+    # ---- one step on the device ----------------------------------------------------------------------
 
     def _sampling_metadata(self, sampling: SamplingInputs) -> SamplingMetadata:
         s = sampling.temperature.shape[0]
@@ -244,90 +235,49 @@ class ModelRunner:
             self._all_allowed[s] = jnp.full((s, bitmask_width(self.model.config.vocab_size)), -1, jnp.int32)
         return SamplingMetadata.from_inputs(sampling, self._all_allowed.get(s))
 
+    def _run(self, key: tuple, *args: Any) -> Any:
+        if key[0] in ("forward", "all_logits") and key[1:] not in self.compiled:
+            self.compiled.add(key[1:])
+            logger.info("first step in bucket %s (tokens, sequences, block width); %d buckets used so far",
+                        key[1:], len(self.compiled))
+        return self.programs.get(key)(*args)
+
     def compute_logits(self, batch: Batch) -> np.ndarray:
         """Float32 logits [num_seqs, vocab] for the real sequences of `batch` (tests, greedy tools)."""
-        self._note_bucket(("logits", batch.input_ids.shape[0], batch.context_lens.shape[0],
-                           batch.block_tables.shape[1]))
-        logits, self.kv_cache = _jitted_logits(self.model.architecture.forward)(
+        logits, self.kv_cache = jitted_logits(self.model.architecture.forward)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            _metadata(batch), cfg=self.model.config, attention_backend=self.attention_backend, tp=self.model.tp,
-        )
+            attention_metadata(batch), **self.shapes.statics())
         return np.asarray(logits[: batch.num_seqs])
 
     def write_sampler_state(self, writes: StateWrites) -> None:
         """Set the state rows of requests that start running (before the step that first samples
         them)."""
-        self.sampler_state = _write_state_rows(self.sampler_state, *state_writes_args(writes))
+        self.sampler_state = write_state_rows_step(self.sampler_state, *state_writes_args(writes))
 
     def execute(self, batch: Batch, sampling: SamplingInputs) -> SampledTokens:
         """One engine step: the forward, sampling on the device, one device-to-host copy."""
-        self._note_bucket((batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]))
-        logits, self.kv_cache = _jitted_logits(self.model.architecture.forward)(
-            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            _metadata(batch), cfg=self.model.config, attention_backend=self.attention_backend, tp=self.model.tp,
-        )
-        packed, self.sampler_state = _sample(logits, self._sampling_metadata(sampling), self.sampler_state)
+        t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
+        logits, self.kv_cache = self._run(("forward", t, s, b), self.model.params, self.kv_cache,
+                                          jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+                                          attention_metadata(batch))
+        packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
+                                               self.sampler_state)
         return unpack(np.asarray(packed), batch.num_seqs)
 
     def execute_with_prompt_logprobs(self, batch: Batch, sampling: SamplingInputs,
                                      prompt: PromptLogprobsInputs) -> tuple[SampledTokens, np.ndarray]:
         """`execute` plus prompt logprobs: also returns the packed [T, PROMPT_PACKED_WIDTH] float32
         rows of every flat position. Its programs are keyed by the plain step's bucket alone."""
-        t, s = batch.input_ids.shape[0], batch.context_lens.shape[0]
+        t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
-        self._note_bucket(("prompt_logprobs", t, s, batch.block_tables.shape[1]))
-        metadata = _metadata(batch)
-        logits, self.kv_cache = _jitted_all_logits(self.model.architecture.forward)(
-            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), metadata,
-            cfg=self.model.config, attention_backend=self.attention_backend, tp=self.model.tp,
-        )
-        packed, self.sampler_state = _sample_and_score_jit(
-            logits, metadata.logits_indices, self._sampling_metadata(sampling), self.sampler_state,
-            jnp.asarray(prompt.targets))
+        metadata = attention_metadata(batch)
+        logits, self.kv_cache = self._run(("all_logits", t, s, b), self.model.params, self.kv_cache,
+                                          jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), metadata)
+        packed, self.sampler_state = self._run(("score", t, s), logits, metadata.logits_indices,
+                                               self._sampling_metadata(sampling), self.sampler_state,
+                                               jnp.asarray(prompt.targets))
         flat = np.asarray(packed)
         num_sampled = s * PACKED_WIDTH
         sampled = unpack(flat[:num_sampled].reshape(s, PACKED_WIDTH), batch.num_seqs)
         return sampled, flat[num_sampled:].reshape(t, PROMPT_PACKED_WIDTH)
-
-
-def measure_activation_bytes(
-    model_cfg: Any, architecture: Any, dtype: np.dtype, block_size: int, max_tokens: int, max_seqs: int,
-    max_blocks_per_seq: int, attention_backend: AttentionBackend = REFERENCE, tp: TensorParallel | None = None,
-) -> int:
-    """Temporary memory XLA plans for the largest step bucket, from shapes alone (no weights are
-    needed), so memory planning can reserve it before the KV cache takes the rest (per device,
-    under tensor parallelism). The one program holds every sampler stage (penalties, filters,
-    logprobs), so its peak is that of the heaviest mix of requests."""
-    from paxserve.sampling_metadata import SamplingRow, build_sampling_inputs
-    from paxserve.sampling_params import SamplingParams
-
-    cfg = model_cfg
-    num_tokens, num_seqs = next_power_of_2(max_tokens), next_power_of_2(max_seqs)
-    kv_heads = cfg.num_kv_heads if tp is None else tp.num_kv_heads_stored
-    kv_shape = (cfg.num_layers, 2, block_size, kv_heads, cfg.head_dim)
-    kv_sharding = None if tp is None else tp.kv_sharding
-    kv = KVCache(k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding),
-                 v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding))
-    params = architecture.abstract_params(cfg, dtype) if tp is None else \
-        tp.abstract_params(lambda c: architecture.abstract_params(c, dtype))
-    state = jax.eval_shape(lambda: SamplerState.zeros(max_seqs + 1, cfg.vocab_size))
-    if tp is not None:
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tp.replicated), state)
-    chunk = SeqChunk([0], 0, [1])
-    batch = build_batch([chunk], block_size, pad_tokens_to=num_tokens, pad_seqs_to=num_seqs,
-                        pad_blocks_to=max_blocks_per_seq)
-    sampling = build_sampling_inputs([SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), [0], [], 0, ())],
-                                     num_seqs, cfg.vocab_size)
-    forward = _jitted_logits(architecture.forward).lower(
-        params, kv, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), _metadata(batch), cfg=cfg,
-        attention_backend=attention_backend, tp=tp)
-    logits = jax.ShapeDtypeStruct((num_seqs, cfg.vocab_size), jnp.float32)
-    sampler = _sample.lower(logits, SamplingMetadata.from_inputs(sampling), state)
-    # The logits are the forward's output and the sampler's input: count them once, beside both.
-    return sum(_temp_bytes(lowered) for lowered in (forward, sampler)) + num_seqs * cfg.vocab_size * 4
-
-
-def _temp_bytes(lowered: Any) -> int:
-    analysis = lowered.compile().memory_analysis()
-    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0

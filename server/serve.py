@@ -48,6 +48,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, seed=args.seed, warmup=args.warmup,
+        compile_in_background=args.compile_in_background, compilation_cache_dir=args.compilation_cache_dir,
         attention_backend=args.attention_backend, generation_config=args.generation_config,
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
         **({"log_stats_interval": 0} if args.disable_log_stats else {}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -122,3 +123,12 @@ def release_compiled_programs() -> None:
 
     jax.clear_caches()
     gc.collect()
+
+
+def real_model_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a subprocess that serves the real model: the test process's, without the
+    -O0 code generation that tests/conftest.py gives the tests' own process for its tiny models."""
+    out = dict(os.environ if env is None else env)
+    out["XLA_FLAGS"] = " ".join(f for f in out.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_backend_optimization_level"))
+    return out

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from paxserve.cli import main
+from tests.helpers import real_model_env
 
 
 def test_generate_streams_a_greedy_answer_from_the_default_model() -> None:
-    env = dict(os.environ)  # the run's cache directory (tests/conftest.py): a second start, as users mostly see
+    env = real_model_env()  # the run's cache directory (tests/conftest.py): a second start, as users mostly see
     proc = subprocess.run(
         [sys.executable, "-m", "paxserve.cli", "generate", "--chat", "--prompt", "What is the capital of France?",
          "--max-tokens", "12"],

@@ -93,11 +93,11 @@ def test_activation_peak_is_measured_from_shapes_alone() -> None:
     import numpy as np
 
     from models.registry import get_architecture
-    from paxserve.model_runner import measure_activation_bytes
+    from paxserve.step_functions import StepShapes, measure_activation_bytes
 
     tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256)
-    arch = get_architecture(tiny.architecture)
-    small = measure_activation_bytes(tiny, arch, np.dtype(np.float32), 16, 16, 2, 4)
-    large = measure_activation_bytes(tiny, arch, np.dtype(np.float32), 16, 256, 8, 16)
+    shapes = StepShapes(tiny, get_architecture(tiny.architecture), np.dtype(np.float32), 16, 2, 9)
+    small = measure_activation_bytes(shapes, 16, 2, 4)
+    large = measure_activation_bytes(shapes, 256, 8, 16)
     assert 0 < small < large  # more tokens in the largest bucket need more scratch memory

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from paxserve import Engine, SamplingParams
-from paxserve.model_runner import _jitted_all_logits
 from paxserve.outputs import Logprob, RequestOutput
 from paxserve.prompt_logprobs import PromptLogprobsBuffer, build_prompt_logprobs_inputs
 from paxserve.sampling_params import RequestOutputKind
@@ -151,11 +150,17 @@ def test_preemption_mid_prompt_neither_loses_nor_repeats_entries(engine: Engine,
 
 
 def test_a_batch_mate_without_prompt_logprobs_is_unaffected_under_preemption(engine: Engine, reference) -> None:  # noqa: ANN001
-    forward = engine.model.architecture.forward
-    variant = _jitted_all_logits(forward)._cache_size()
-    alone = engine.generate([OTHER], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    runner, calls = engine.runner, []
+    scored = runner.execute_with_prompt_logprobs
+    runner.execute_with_prompt_logprobs = lambda *a: (calls.append(1), scored(*a))[1]
+    before = set(runner.programs.keys())
+    try:
+        alone = engine.generate([OTHER], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        del runner.execute_with_prompt_logprobs
     # A batch where nobody asks runs the plain program: no prompt-logprobs program is compiled or run.
-    assert _jitted_all_logits(forward)._cache_size() == variant
+    assert not calls
+    assert not any(key[0] in ("all_logits", "score") for key in set(runner.programs.keys()) - before)
     preemptions = engine.stats.preemptions
     outs = engine.generate([OTHER, LONG], [greedy(8), greedy(prompt_logprobs=3)], use_tqdm=False)
     # 3 blocks of 32 cannot hold OTHER's 56 tokens and LONG's 62: LONG (the newer) is preempted, and

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from paxserve import Engine, SamplingParams
-from paxserve.model_runner import _jitted_logits, _sample
 from tests.helpers import make_tiny_llama
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, assert_no_blocks_held
 
@@ -47,8 +46,6 @@ def test_engine_at_tp_2_gives_transformers_tokens_through_preemption_chunking_an
     prompts = make_prompts(10, seed=4)
     with caplog.at_level(logging.INFO):
         engine = Engine(str(directory), **ARGS, tensor_parallel_size=2)
-    compiled_before = _jitted_logits(engine.model.architecture.forward)._cache_size()
-    samplers_before = _sample._cache_size()
     assert "tensor parallel over 2 devices" in caplog.text and "KV head(s) per device" in caplog.text
     assert engine.model.params.layers.qkv_w.sharding.spec[2] == "tp"
     assert engine.runner.kv_cache.k.sharding.spec[3] == "tp"
@@ -61,9 +58,13 @@ def test_engine_at_tp_2_gives_transformers_tokens_through_preemption_chunking_an
     # sampler once per sequence bucket.
     assert engine.runner.sampler_state.counts.sharding.is_fully_replicated
     assert len(engine.runner.sampler_state.counts.sharding.device_set) == 2
-    assert _jitted_logits(engine.model.architecture.forward)._cache_size() - compiled_before == \
-        len(engine.runner.compiled)
-    assert _sample._cache_size() - samplers_before <= len({key[1] for key in engine.runner.compiled})
+    programs = engine.runner.programs.keys()
+    assert {key[1:] for key in programs if key[0] == "forward"} == engine.runner.compiled
+    assert {key[1] for key in programs if key[0] == "sample"} == {key[1] for key in engine.runner.compiled}
+    # A second run of the same prompts compiles nothing (each program kept its placements).
+    engine.reset_prefix_cache()
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
+    assert engine.runner.programs.keys() == programs
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -25,14 +25,18 @@ from typing import Any
 import openai
 import pytest
 
+from tests.helpers import real_model_env
+
 API_KEY = "sk-paxserve-test-key"
 MODEL_NAME = "smol-test"
 MAX_MODEL_LEN = 512
 MAX_LOGPROBS = 8
 VOCAB_SIZE = 49152  # the bundled SmolLM2-135M-Instruct
 START_TIMEOUT_S = 240.0
-# Small limits keep start-up and compilation short on a 2-core CPU.
-SMALL_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--no-warmup", "--kv-cache-memory-bytes", str(128 * 2**20)]
+# Small limits keep start-up and compilation short on a 2-core CPU; steps compile their own shapes
+# when first needed (no background compiles competing with the tests' timed clients).
+SMALL_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--no-warmup", "--kv-cache-memory-bytes", str(128 * 2**20),
+              "--no-compile-in-background"]
 
 
 def free_port() -> int:
@@ -64,7 +68,7 @@ class ServerProcess:
         self.listening_stream: str | None = None  # where "paxserve listening on ..." appeared
         self._ready = threading.Event()
         # A key in the developer's environment must not leak into servers that are meant to be open.
-        self._env = {k: v for k, v in os.environ.items() if k != "PAXSERVE_API_KEY"}
+        self._env = {k: v for k, v in real_model_env().items() if k != "PAXSERVE_API_KEY"}
         self._env.update(env or {})
         self.proc: subprocess.Popen | None = None
 

@@ -218,11 +218,13 @@ def recovers(request):
 
 
 @pytest.fixture(scope="module")
-def fresh_server():
-    """Nothing compiled (--no-warmup, no request served yet when its first test starts), short
-    transport timeouts, request chat templates trusted, no API key."""
+def fresh_server(tmp_path_factory: pytest.TempPathFactory):
+    """Nothing compiled (--no-warmup, no request served yet when its first test starts, and compiled
+    programs kept in a folder of its own, so nothing an earlier run stored), short transport
+    timeouts, request chat templates trusted, no API key."""
     srv = start_server([*SMALL_ARGS, "--max-num-seqs", "16", "--http-header-timeout", "1", "--http-body-timeout", "1",
-                        "--trust-request-chat-template", "--disable-log-stats"])
+                        "--trust-request-chat-template", "--disable-log-stats",
+                        "--compilation-cache-dir", str(tmp_path_factory.mktemp("fresh-programs"))])
     yield srv
     srv.stop()
 

@@ -1,0 +1,180 @@
+"""Host work per engine step, against batch size and context length, with the device taken out.
+
+    python benchmarks/host_overhead.py [--batches 1,16,64,256] [--contexts 128,1024,2048,8192]
+                                       [--steps 30] [--runs 3] [--json PATH] [--plot PATH]
+
+What is timed: `Engine.step()` end to end (schedule and block allocation, the step's batch and
+sampling inputs, the sampled tokens' bookkeeping, detokenization and stop checks in the output
+processor) with `ModelRunner.execute` replaced by a stub that returns random tokens at once, so
+what remains is exactly the host's share of a step. The model is a one-layer random Llama with the
+bundled SmolLM2 vocabulary and tokenizer (its weights never run); every request is greedy with
+`ignore_eos`, prompts are random token ids, and each request is first brought to its context length
+(prefilled through the stub) before the timed decode steps: the median step over `--steps` decode
+steps, the median over `--runs` runs.
+
+The device side is a model, not a measurement: an H200 decode step of Llama-3-8B in bfloat16 at
+its memory-bandwidth bound (16.1 GB of weights plus 128 KiB of KV per context token, read at
+4.8 TB/s), the shortest step the device could take. The device would idle host / (host + device) of
+the time with the host's work serial with the device's (the engine today), and
+max(0, host - device) / host with the next step's host work overlapped (async scheduling).
+
+The same script runs against earlier commits (it stubs the one method both versions share), so a
+"before" run is `git worktree add /tmp/before <commit> && python benchmarks/host_overhead.py` with
+`PYTHONPATH=/tmp/before`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+VOCAB = 49152
+H200_BYTES_PER_S = 4.8e12
+LLAMA3_8B_WEIGHT_BYTES = 16.06e9
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, d 128, bf16
+
+
+def write_tiny_checkpoint(directory: Path) -> None:
+    """A one-layer Llama with SmolLM2's vocabulary, written with numpy (no torch needed), and the
+    bundled tokenizer beside it."""
+    from safetensors.numpy import save_file
+
+    from models.bundled import default_model_path
+    from models.gguf_io import GGUFCheckpoint
+    from models.tokenizer import tokenizer_from_gguf
+
+    hidden, inter, heads, kv_heads, dim = 16, 32, 2, 1, 8
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=hidden,
+                  intermediate_size=inter, num_hidden_layers=1, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=dim, max_position_embeddings=16384, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, dtype="float32")
+    (directory / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+
+    def w(*shape: int) -> np.ndarray:
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+    p = "model.layers.0."
+    save_file({"model.embed_tokens.weight": w(VOCAB, hidden), "model.norm.weight": np.ones(hidden, np.float32),
+               p + "input_layernorm.weight": np.ones(hidden, np.float32),
+               p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+               p + "self_attn.q_proj.weight": w(heads * dim, hidden), p + "self_attn.k_proj.weight": w(kv_heads * dim, hidden),
+               p + "self_attn.v_proj.weight": w(kv_heads * dim, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * dim),
+               p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+               p + "mlp.down_proj.weight": w(hidden, inter)}, str(directory / "model.safetensors"))
+    tokenizer_from_gguf(GGUFCheckpoint(default_model_path())).save_pretrained(str(directory))
+
+
+def stub_device(runner: Any) -> None:
+    """Replace the device step with random tokens in the sampler's packed layout, for either version
+    of `unpack` (before issue 15 it took the logprob width)."""
+    import inspect
+
+    from paxserve import sampling_metadata as sm
+
+    rng = np.random.default_rng(1)
+    old_style = len(inspect.signature(sm.unpack).parameters) == 3
+
+    def execute(batch: Any, sampling: Any) -> Any:
+        s = batch.context_lens.shape[0]
+        if old_style:
+            packed = np.zeros((s, sm.packed_width(sampling.num_logprobs)), np.float32)
+        else:
+            packed = np.zeros((s, sm.PACKED_WIDTH), np.float32)
+        packed[:, 0] = rng.integers(3, VOCAB, s)
+        return sm.unpack(packed, batch.num_seqs, sampling.num_logprobs) if old_style else sm.unpack(packed,
+                                                                                                    batch.num_seqs)
+
+    runner.execute = execute
+
+
+def measure(directory: Path, batch: int, context: int, steps: int) -> float:
+    """Median host seconds per decode step at `batch` sequences of about `context` tokens."""
+    from paxserve import Engine, SamplingParams
+
+    block = 16
+    blocks_per_seq = -(-(context + steps + 2) // block)
+    engine = Engine(str(directory), warmup=False, log_stats_interval=0, compilation_cache_dir="",
+                    max_model_len=blocks_per_seq * block, max_num_seqs=batch, max_num_batched_tokens=8192,
+                    num_gpu_blocks_override=batch * blocks_per_seq + 1, block_size=block, enable_prefix_caching=True)
+    stub_device(engine.runner)
+    rng = np.random.default_rng(batch * 100003 + context)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", rng.integers(3, VOCAB, context).tolist(), params)
+    while sum(len(r.output_token_ids) for r in engine.scheduler.running) < batch or engine.scheduler.waiting:
+        engine.step()  # prefill (through the stub) until every request decodes
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def device_model_seconds(batch: int, context: int) -> float:
+    return (LLAMA3_8B_WEIGHT_BYTES + batch * context * LLAMA3_8B_KV_BYTES_PER_TOKEN) / H200_BYTES_PER_S
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="128,1024,2048,8192")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="PNG of host ms per step against context, one line per batch")
+    ap.add_argument("--label", default="", help="a name for this run in the table and the JSON")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        write_tiny_checkpoint(directory)
+        print(f"{args.label or 'host overhead'}: median of {args.runs} runs of the median of {args.steps} decode steps")
+        print("| batch | context | host ms/step | H200 Llama-3-8B step ms (bandwidth bound) | device idle, serial | "
+              "device idle, overlapped |")
+        print("|---|---|---|---|---|---|")
+        for b in batches:
+            for c in contexts:
+                host = statistics.median(measure(directory, b, c, args.steps) for _ in range(args.runs))
+                dev = device_model_seconds(b, c)
+                rows.append(dict(batch=b, context=c, host_s=host, device_model_s=dev))
+                print(f"| {b} | {c} | {host * 1e3:.2f} | {dev * 1e3:.2f} | {host / (host + dev):.0%} | "
+                      f"{max(0.0, host - dev) / host:.0%} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"label": args.label, "rows": rows}, indent=1))
+    if args.plot:
+        from plotting import pyplot, save_figure
+
+        plt = pyplot()
+        if plt is not None:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for b in batches:
+                pts = [r for r in rows if r["batch"] == b]
+                ax.plot([r["context"] for r in pts], [r["host_s"] * 1e3 for r in pts], marker="o", label=f"batch {b}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context tokens per sequence")
+            ax.set_ylabel("host ms per decode step")
+            ax.set_title(args.label or "host work per engine step (device stubbed)")
+            ax.legend()
+            save_figure(plt, fig, args.plot)
+
+
+if __name__ == "__main__":
+    main()
