@@ -18,9 +18,9 @@ its memory-bandwidth bound (16.1 GB of weights plus 128 KiB of KV per context to
 the time with the host's work serial with the device's (the engine today), and
 max(0, host - device) / host with the next step's host work overlapped (async scheduling).
 
-The same script runs against earlier commits (it stubs the one method both versions share), so a
-"before" run is `git worktree add /tmp/before <commit> && python benchmarks/host_overhead.py` with
-`PYTHONPATH=/tmp/before`.
+The same script runs against earlier commits (it stubs whichever device method the version has): for
+a "before" run, `git worktree add /tmp/before <commit>`, copy this file (and plotting.py) into its
+benchmarks/ folder and run it from there.
 """
 
 from __future__ import annotations
@@ -78,24 +78,29 @@ def write_tiny_checkpoint(directory: Path) -> None:
 
 
 def stub_device(runner: Any) -> None:
-    """Replace the device step with random tokens in the sampler's packed layout, for either version
-    of `unpack` (before issue 15 it took the logprob width)."""
-    import inspect
-
+    """Replace the device's part of a step with random tokens in the sampler's packed layout: the
+    runner's `dispatch` where it has one (its `collect` then copies nothing), else its `execute`
+    (before issue 15, whose `unpack` also took the logprob width)."""
     from paxserve import sampling_metadata as sm
 
     rng = np.random.default_rng(1)
-    old_style = len(inspect.signature(sm.unpack).parameters) == 3
+    if hasattr(runner, "dispatch"):
+        from paxserve.model_runner import DeviceStep
+
+        def dispatch(batch: Any, sampling: Any, prompt: Any = None) -> Any:
+            s = batch.context_lens.shape[0]
+            packed = np.zeros((s, sm.PACKED_WIDTH), np.float32)
+            packed[:, 0] = rng.integers(3, VOCAB, s)
+            return DeviceStep(packed, batch.num_seqs, s, None)
+
+        runner.dispatch = dispatch
+        return
 
     def execute(batch: Any, sampling: Any) -> Any:
         s = batch.context_lens.shape[0]
-        if old_style:
-            packed = np.zeros((s, sm.packed_width(sampling.num_logprobs)), np.float32)
-        else:
-            packed = np.zeros((s, sm.PACKED_WIDTH), np.float32)
+        packed = np.zeros((s, sm.packed_width(sampling.num_logprobs)), np.float32)
         packed[:, 0] = rng.integers(3, VOCAB, s)
-        return sm.unpack(packed, batch.num_seqs, sampling.num_logprobs) if old_style else sm.unpack(packed,
-                                                                                                    batch.num_seqs)
+        return sm.unpack(packed, batch.num_seqs, sampling.num_logprobs)
 
     runner.execute = execute
 

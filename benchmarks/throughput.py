@@ -1,13 +1,14 @@
 """Offline throughput: paxserve's Engine next to transformers' generate, same prompts, same run.
 
-    python benchmarks/throughput.py [--dataset sharegpt|fixed] [--num-prompts 64] [--runs 3]
+    python benchmarks/throughput.py [--dataset sharegpt|fixed|short] [--num-prompts 64] [--runs 3]
                                     [--single-num-prompts 16] [--concurrency-sweep 1,4,16,64] [--json PATH]
 
 Workload (seeded, the same for every engine): `--dataset sharegpt` (default) draws ShareGPT-like
 lognormal lengths, input about 160 and output about 340 tokens on average, long-tailed, clipped so
 that input + output <= --max-model-len (benchmarks/workload.py, the model memory.py uses);
 `--dataset fixed` draws input lengths uniformly in [--min-input-len, --max-input-len] and gives
-every request --output-len output tokens. Prompts are random token ids. Every request produces
+every request --output-len output tokens; `--dataset short` draws inputs of 27-400 tokens (20-300 words) and outputs
+of 16-192 tokens, uniformly. Prompts are random token ids. Every request produces
 exactly its own requested number of tokens on both engines (ignore_eos, greedy).
 
 - paxserve: `Engine` with continuous batching (--max-num-seqs), every request added at once with
@@ -78,8 +79,16 @@ def make_workload(dataset: str, num_prompts: int, *, max_model_len: int, seed: i
         input_lens = [len(p) for p in prompts]
         output_lens = [output_len] * num_prompts
         what = f"input lengths {min_input_len}-{max_input_len}, {output_len} output tokens each"
+    elif dataset == "short":
+        # Issue 15's held-out shape: prompts of 20-300 words (27-400 tokens at SmolLM2's ~1.33 tokens
+        # per English word), outputs of 16-192 tokens, both uniform.
+        rng = np.random.default_rng(seed)
+        input_lens = [int(x) for x in rng.integers(27, 401, num_prompts)]
+        output_lens = [int(x) for x in rng.integers(16, 193, num_prompts)]
+        prompts = [rng.integers(3, vocab_size, n).tolist() for n in input_lens]
+        what = "input lengths 27-400 (20-300 words), outputs 16-192, uniform"
     else:
-        raise ValueError(f"unknown dataset {dataset!r} (sharegpt or fixed)")
+        raise ValueError(f"unknown dataset {dataset!r} (sharegpt, fixed or short)")
     return {"dataset": dataset, "description": what, "prompts": prompts, "input_lens": input_lens,
             "output_lens": output_lens}
 
@@ -304,7 +313,7 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: the bundled SmolLM2)")
-    parser.add_argument("--dataset", choices=("sharegpt", "fixed"), default="sharegpt")
+    parser.add_argument("--dataset", choices=("sharegpt", "fixed", "short"), default="sharegpt")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-input-len", type=int, default=16, help="fixed dataset")
     parser.add_argument("--max-input-len", type=int, default=256, help="fixed dataset")

@@ -279,7 +279,7 @@ class AsyncEngine:
             ran = False
             if core.has_unfinished_requests():
                 outputs = core.step()
-                ran = core.last_num_scheduled > 0
+                ran = core.last_num_scheduled > 0 or core.has_step_in_flight
                 if outputs:
                     self._to_outputs.put(("outputs", outputs))
             self.snapshot = core.snapshot()

@@ -49,6 +49,9 @@ class Batch:
     logits_indices: np.ndarray  # [S]
     num_seqs: int  # real (unpadded) sequences
     num_tokens: int  # real (unpadded) tokens
+    # [T]: the persistent-batch row whose last kept token (on the device) is this input token, or -1
+    # where `input_ids` holds it: a step built before the previous one's results are back.
+    token_source: np.ndarray | None = None
 
 
 def next_power_of_2(n: int, minimum: int = 1) -> int:
@@ -91,11 +94,12 @@ def assemble_batch(
     pad_tokens_to: int | None = None,
     pad_seqs_to: int | None = None,
     pad_blocks_to: int | None = None,
+    token_source: np.ndarray | None = None,
 ) -> Batch:
     """The batch from per-sequence arrays, in numpy operations over whole arrays (no Python loop
     per sequence or token): `input_ids` [T] the new tokens in sequence order, `num_computed` and
     `num_new` [S] each sequence's cached and new token counts, `block_tables` [S, >= its blocks]
-    and `num_blocks` [S] how many of each row are its blocks."""
+    and `num_blocks` [S] how many of each row are its blocks; `token_source` [T] as in `Batch`."""
     n, t = len(num_new), int(num_new.sum())
     if input_ids.shape != (t,):
         raise ValueError(f"input_ids holds {input_ids.shape[0]} tokens but the sequences feed {t}")
@@ -121,6 +125,9 @@ def assemble_batch(
     slot_mapping[:t] = block_tables[seq, positions[:t] // block_size] * block_size + positions[:t] % block_size
     padded_ids = np.zeros(t_pad, np.int32)
     padded_ids[:t] = input_ids
+    source = np.full(t_pad, -1, np.int32)
+    if token_source is not None:
+        source[:t] = token_source
     tables = np.full((s_pad, b_pad), NULL_BLOCK, np.int32)
     width = min(b_pad, block_tables.shape[1])
     tables[:n, :width] = block_tables[:, :width]
@@ -133,5 +140,5 @@ def assemble_batch(
     return Batch(
         input_ids=padded_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
         context_lens=context_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
-        num_seqs=n, num_tokens=t,
+        num_seqs=n, num_tokens=t, token_source=source,
     )

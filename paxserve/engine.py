@@ -133,7 +133,10 @@ class Engine:
                                   attention_backend=self.attention_backend, max_num_seqs=config.max_num_seqs,
                                   program_store=store, background_compile=config.compile_in_background)
         self.stats = StatsLogger(config.log_stats_interval)
-        self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats)
+        self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats,
+                               async_scheduling=config.async_scheduling)
+        logger.info("%s", "async scheduling: each step is built while the previous one runs on the device"
+                    if config.async_scheduling else "synchronous scheduling: each step runs to the end before the next")
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.model_config.eos_token_ids, self.max_model_len, config.seed,
                                               sampling_defaults=self.sampling_defaults)

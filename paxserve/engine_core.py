@@ -14,17 +14,38 @@ one is made and every other running request is recomputed from its tokens.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
 from paxserve.kv_cache_manager import KVCacheManager
-from paxserve.model_runner import ModelRunner
-from paxserve.prompt_logprobs import PromptLogprobsBuffer, build_prompt_logprobs_inputs, fill_prompt_logprobs
+from paxserve.model_runner import ModelRunner, ModelStep
+from paxserve.prompt_logprobs import (
+    PromptLogprobsBuffer,
+    PromptLogprobsInputs,
+    build_prompt_logprobs_inputs,
+    fill_prompt_logprobs,
+)
 from paxserve.request import Request, RequestStatus
 from paxserve.sampling_metadata import SampledTokens, constrained_rows
 from paxserve.scheduler import Scheduler, SchedulerOutput
 from paxserve.stats import StatsLogger
 
 logger = logging.getLogger(__name__)
+
+@dataclass(slots=True)
+class _Flight:
+    """A step dispatched to the device whose results have not been taken in yet."""
+
+    out: SchedulerOutput
+    requests: list[Request | None]  # each row's request when it was scheduled (its id may be reused later)
+    step: ModelStep
+    registered: list  # the prefix-cache blocks its schedule registered
+    buffers: list[PromptLogprobsBuffer | None]
+    prompt: PromptLogprobsInputs | None
+    num_prompt_tokens: int
+    num_preempted: int = 0
+    abandoned: bool = False  # undone because the step before it failed
+
 
 STEP_FAILED_MESSAGE = ("The engine step that was serving this request failed; the server is still running and "
                        "the request can be retried.")
@@ -34,7 +55,7 @@ class EngineCore:
     """Not thread-safe: one thread (the step loop, or the offline `Engine`) calls everything."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, vocab_size: int,
-                 stats: StatsLogger) -> None:
+                 stats: StatsLogger, async_scheduling: bool = False) -> None:
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -47,6 +68,8 @@ class EngineCore:
         self.num_failed_steps = 0
         self.num_kv_cache_resets = 0
         self.last_num_scheduled = 0  # sequences the last step ran (0: nothing could run)
+        self.async_scheduling = async_scheduling
+        self._in_flight: _Flight | None = None
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -98,6 +121,8 @@ class EngineCore:
                 request.paused = paused
 
     def has_unfinished_requests(self) -> bool:
+        """Requests not finished yet. (A step in flight whose requests all ended meanwhile counts for
+        nothing: its results would be dropped, and the next step takes it in.)"""
         return bool(self._samples)
 
     def _forget(self, request: Request) -> None:
@@ -111,48 +136,117 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------------------
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
     def step(self) -> list[SampleOutput]:
-        """Schedule, run the model once, and report each sample that got a token or finished."""
+        """Schedule, run the model once, and report each sample that got a token or finished.
+
+        With async scheduling the step is dispatched to the device and the previous one's results
+        are taken in while it runs, so the host's scheduling and bookkeeping hide under device work;
+        the outputs returned are then the previous step's. A row whose request finished (or was
+        aborted) meanwhile drops its token, so nothing is ever emitted past a stop."""
         out = self.scheduler.schedule()
         self.last_num_scheduled = len(out.scheduled)
+        outputs: list[SampleOutput] = []
+        flight = None
         try:
             self.runner.update_rows(out)
-            if not out.scheduled:
-                self.stats.on_step(0, 0, len(out.preempted_ids))
-                return []
-            requests = [self.scheduler.requests[s.request_id] for s in out.scheduled]
-            completes = [s.num_computed_tokens + s.num_new_tokens == r.num_tokens
-                         for s, r in zip(out.scheduled, requests)]
-            num_prompt_tokens = sum(s.num_new_tokens for s, r in zip(out.scheduled, requests)
-                                    if s.num_new_tokens > 1 or r.num_output_tokens == 0)
-            sampled = self._execute(out, requests, completes)
+            if out.scheduled and self._in_flight is not None and self._needs_previous_results(out):
+                outputs += self._complete(self._take_in_flight())
+            if out.scheduled:
+                flight = self._dispatch(out)
         except Exception as e:  # noqa: BLE001 - isolated: only this step's requests fail
-            return self._fail_step(out, e)
-        self.kv.commit()
-        finished_now = {r.request_id for r in self.scheduler.update_from_output(out, sampled.token_ids)}
-        outputs = []
-        for row, (request, complete) in enumerate(zip(requests, completes)):
-            if complete:
-                outputs.append(self._sample_output(request, row, sampled, request.request_id in finished_now))
-        self.stats.on_step(num_prompt_tokens, sum(completes), len(out.preempted_ids))
-        self.stats.maybe_log(self)
+            outputs += self._fail_step(out, self.kv.take_registered(), e)
+        if flight is not None:
+            flight.num_preempted = len(out.preempted_ids)
+        elif not out.scheduled:
+            self.stats.on_step(0, 0, len(out.preempted_ids))
+        if not self.async_scheduling:
+            return outputs + (self._complete(flight) if flight is not None else [])
+        if self._in_flight is not None:
+            outputs += self._complete(self._take_in_flight(), successor=flight)
+        self._in_flight = None if flight is None or flight.abandoned else flight
         return outputs
 
-    def _execute(self, out: SchedulerOutput, requests: list[Request], completes: list[bool]) -> SampledTokens:
+    def _take_in_flight(self) -> _Flight:
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None
+        return flight
+
+    def _needs_previous_results(self, out: SchedulerOutput) -> bool:
+        """A structured-output row's bitmask needs its matcher to have seen the token in flight."""
+        for s in out.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if request is not None and request.matcher is not None and request.num_output_placeholders > s.samples:
+                return True
+        return False
+
+    def _dispatch(self, out: SchedulerOutput) -> _Flight:
+        requests = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
         # A matcher constrains its row only where the step samples a token that is kept.
-        constrained = constrained_rows([(i, r.matcher) for i, (r, keep) in enumerate(zip(requests, completes))
-                                        if keep and r.matcher is not None], self.vocab_size)
-        buffers = [r.prompt_logprobs for r in requests]
+        constrained = constrained_rows([(i, r.matcher) for i, (s, r) in enumerate(zip(out.scheduled, requests))
+                                        if s.samples and r is not None and r.matcher is not None
+                                        and not r.matcher.is_stopped()], self.vocab_size)
+        buffers = [None if r is None else r.prompt_logprobs for r in requests]
         prompt = None
         if any(b is not None for b in buffers):
             prompt = build_prompt_logprobs_inputs(
-                [(b, r.prompt_token_ids, s.num_computed_tokens, s.num_new_tokens)
+                [(b, r.prompt_token_ids, s.num_computed_tokens, s.num_new_tokens) if r is not None else (None, [], 0,
+                                                                                                          s.num_new_tokens)
                  for b, r, s in zip(buffers, requests, out.scheduled)], out.num_scheduled_tokens)
-        # Nobody scores prompt tokens this step (prompt is None): the plain program, nothing extra.
-        sampled, prompt_rows = self.runner.execute_model(out, constrained, prompt)
-        if prompt is not None:
-            fill_prompt_logprobs(buffers, prompt, prompt_rows)
-        return sampled
+        num_prompt_tokens = sum(s.num_new_tokens for s, r in zip(out.scheduled, requests)
+                                if s.num_new_tokens > 1 or (r is not None and r.num_output_tokens == 0))
+        step = self.runner.dispatch_model(out, constrained, prompt)  # nobody scores prompts: the plain program
+        return _Flight(out, requests, step, self.kv.take_registered(), buffers, prompt, num_prompt_tokens)
+
+    def _complete(self, flight: _Flight, successor: _Flight | None = None) -> list[SampleOutput]:
+        """Take in a dispatched step's results. If they cannot be had, its requests fail, and a
+        successor already dispatched on top of it is abandoned (rolled back, to be scheduled again)."""
+        out = flight.out
+        try:
+            sampled, prompt_rows = self.runner.complete_model(flight.step)
+        except Exception as e:  # noqa: BLE001 - isolated: only this step's requests fail
+            if successor is not None:
+                self._abandon(successor)
+            return self._fail_step(out, flight.registered, e, self._live(flight))
+        self.kv.commit(flight.registered)
+        if flight.prompt is not None and prompt_rows is not None:
+            fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
+        requests = self._live(flight)
+        finished_now = {r.request_id for r in self.scheduler.update_from_output(out, sampled.token_ids, requests)}
+        outputs = []
+        for row, (s, request) in enumerate(zip(out.scheduled, requests)):
+            if s.samples and request is not None:
+                outputs.append(self._sample_output(request, row, sampled, request.request_id in finished_now))
+        self.stats.on_step(flight.num_prompt_tokens, len(outputs), flight.num_preempted)
+        self.stats.maybe_log(self)
+        return outputs
+
+    def _abandon(self, flight: _Flight) -> None:
+        """Undo a dispatched step whose inputs can no longer be trusted: wait for it, drop its
+        results, give its requests back the computed counts and placeholders it took, forget its
+        prefix-cache registrations and its placeholders in the persistent batch."""
+        flight.abandoned = True
+        try:
+            self.runner.collect(flight.step.device)
+        except Exception:  # noqa: BLE001 - its results are dropped either way
+            pass
+        self.runner.input_batch.unrecord(flight.step.prepared)
+        self.kv.rollback(flight.registered)
+        for s, request in zip(flight.out.scheduled, self._live(flight)):
+            if request is None:
+                continue
+            request.num_output_placeholders -= s.samples
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens = s.num_computed_tokens
+
+    def _live(self, flight: _Flight) -> list[Request | None]:
+        """The step's requests that are still unfinished (None where one ended, even if a new
+        request has taken its id since)."""
+        return [r if r is not None and self.scheduler.requests.get(r.request_id) is r else None
+                for r in flight.requests]
 
     def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool) -> SampleOutput:
         logprobs = None
@@ -174,13 +268,17 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[SampleOutput]:
+    def _fail_step(self, out: SchedulerOutput, registered: list, error: Exception,
+                   requests: list[Request | None] | None = None) -> list[SampleOutput]:
+        """`requests`: the step's requests still unfinished, when it ran behind later schedules."""
         self.num_failed_steps += 1
-        failed = [self.scheduler.requests[s.request_id] for s in out.scheduled]
+        if requests is None:
+            requests = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
+        failed = [r for r in requests if r is not None]
         logger.error("a model step failed: its %d sequences end with an error, every other request goes on "
                      "(%s: %s)", len(failed), type(error).__name__, str(error).splitlines()[0][:300] if str(error)
                      else "", exc_info=error)
-        self.kv.rollback()
+        self.kv.rollback(registered)
         outputs = []
         for request in failed:
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)

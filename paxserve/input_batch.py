@@ -26,14 +26,22 @@ from paxserve.scheduler import NewRequestData, ScheduledRequest
 Buckets = Callable[[int, int, int], tuple[int, int, int]]
 
 
+# An output token whose id a step in flight has not returned yet (its value lives on the device).
+PLACEHOLDER = -1
+
+
 @dataclass(slots=True)
 class PreparedStep:
-    """A step's padded inputs, and which rows keep their sampled token."""
+    """A step's padded inputs, and where each row's sampled token goes."""
 
     batch: Batch
     sampling: SamplingInputs
-    rows: np.ndarray  # i32 [S]: the persistent row of each step row
-    keep: np.ndarray  # bool [S]: the step completes the request's known tokens, so its token is kept
+    rows: list[int]  # the persistent row of each step row
+    # Each row's token list as it was: a row handed to another request since has a new list, and
+    # the step's token must not land there.
+    token_lists: list[list[int]]
+    keep: list[bool]  # the row samples its request's next token
+    token_index: list[int]  # where that token goes in its row's token ids (-1: not kept)
 
 
 class InputBatch:
@@ -118,31 +126,56 @@ class InputBatch:
     # ---- one step -------------------------------------------------------------------------------
 
     def prepare(self, scheduled: list[ScheduledRequest], buckets: Buckets) -> PreparedStep:
-        """The step's padded batch and sampling inputs, gathered from the scheduled rows."""
+        """The step's padded batch and sampling inputs, gathered from the scheduled rows. A sampling
+        row gets a placeholder for the token it will sample, so the next step can be built before
+        this one's results are back: an input token still a placeholder is read on the device from
+        its row's last kept token."""
         if not scheduled:
             raise ValueError("InputBatch.prepare needs at least one scheduled request")
         n = len(scheduled)
-        rows = np.fromiter((self._rows[s.request_id] for s in scheduled), np.int32, n)
+        rows = [self._rows[s.request_id] for s in scheduled]
+        row_array = np.array(rows, np.int32)
         num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int32, n)
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
         token_ids = self.token_ids
-        input_ids = np.fromiter((t for s, r in zip(scheduled, rows.tolist())
+        input_ids = np.fromiter((t for s, r in zip(scheduled, rows)
                                  for t in token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
                                 np.int32, int(num_new.sum()))
-        num_blocks = self.num_blocks[rows]
+        pending = input_ids == PLACEHOLDER
+        source = None
+        if pending.any():
+            source = np.where(pending, np.repeat(row_array, num_new), -1).astype(np.int32)
+            input_ids[pending] = 0
+        num_blocks = self.num_blocks[row_array]
         t_pad, s_pad, b_pad = buckets(len(input_ids), n, int(num_blocks.max()))
-        batch = assemble_batch(input_ids, num_computed, num_new, self.block_table[rows, :b_pad], num_blocks,
-                               self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
+        batch = assemble_batch(input_ids, num_computed, num_new, self.block_table[row_array, :b_pad], num_blocks,
+                               self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad,
+                               token_source=source)
         index = np.zeros(s_pad, np.int32)
-        index[:n] = rows
-        keep = np.zeros(s_pad, bool)
-        keep[:n] = num_computed + num_new == self.num_tokens[rows]
+        index[:n] = row_array
+        keep = [s.samples for s in scheduled]
+        keep_padded = np.zeros(s_pad, bool)
+        keep_padded[:n] = keep
         step = self.num_tokens[index] - self.num_prompt_tokens[index]
-        return PreparedStep(batch, self.sampling.gather(index, step, keep, n), rows, keep[:n])
+        sampling = self.sampling.gather(index, step, keep_padded, n)
+        token_index = []
+        for row, kept in zip(rows, keep):
+            token_index.append(len(token_ids[row]) if kept else -1)
+            if kept:
+                token_ids[row].append(PLACEHOLDER)
+                self.num_tokens[row] += 1
+        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], keep, token_index)
 
     def record(self, step: PreparedStep, sampled_token_ids: list[int]) -> None:
-        """Append each kept row's sampled token to its row's tokens."""
-        for row, keep, token in zip(step.rows.tolist(), step.keep.tolist(), sampled_token_ids):
-            if keep:
-                self.token_ids[row].append(token)
-                self.num_tokens[row] += 1
+        """Put each kept row's sampled token in place of its placeholder (rows whose request has
+        left the batch meanwhile are skipped: their token is dropped)."""
+        for row, tokens, index, token in zip(step.rows, step.token_lists, step.token_index, sampled_token_ids):
+            if index >= 0 and self.token_ids[row] is tokens:
+                tokens[index] = token
+
+    def unrecord(self, step: PreparedStep) -> None:
+        """Take back the placeholders of a step whose results will never come (it was abandoned)."""
+        for row, tokens, index in zip(step.rows, step.token_lists, step.token_index):
+            if index >= 0 and self.token_ids[row] is tokens and len(tokens) == index + 1:
+                tokens.pop()
+                self.num_tokens[row] -= 1

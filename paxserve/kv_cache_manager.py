@@ -104,7 +104,8 @@ class KVCacheManager:
             # Blocks that will be full once this step has run hold known tokens: register them now,
             # so a request scheduled after this one in the same step can share them (the step writes
             # every token's KV before any attention reads it). Until commit() they are provisional:
-            # only requests of this same step can have hit them, and they share its fate.
+            # only requests of this step, or of steps queued behind it on the device, can have hit
+            # them, and they share its fate.
             num_full = min(total, request.num_tokens) // self.block_size
             hashes = self._hashes(request, num_full * self.block_size)
             for i in range(self._num_registered.get(request.request_id, 0), num_full):
@@ -113,16 +114,24 @@ class KVCacheManager:
             self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
         return True
 
-    def commit(self) -> None:
-        """The scheduled step ran: the blocks it registered now hold their KV for good."""
-        self._uncommitted.clear()
+    def take_registered(self) -> list[KVCacheBlock]:
+        """The blocks registered since the last call: the scheduled step's, kept by whoever runs it
+        so that it can `commit` or `rollback` exactly those (steps may overlap)."""
+        taken, self._uncommitted = self._uncommitted, []
+        return taken
 
-    def rollback(self) -> None:
-        """The scheduled step failed: forget the registrations whose KV it never wrote, so that no
-        later request is served a block of garbage."""
-        for block in self._uncommitted:
+    def commit(self, blocks: list[KVCacheBlock] | None = None) -> None:
+        """The step ran: the blocks it registered (`blocks`, or all pending) hold their KV for good."""
+        if blocks is None:
+            self._uncommitted.clear()
+
+    def rollback(self, blocks: list[KVCacheBlock] | None = None) -> None:
+        """The step failed: forget the registrations whose KV it never wrote (`blocks`, or all
+        pending), so that no later request is served a block of garbage."""
+        for block in self._uncommitted if blocks is None else blocks:
             self.pool.uncache_block(block)
-        self._uncommitted.clear()
+        if blocks is None:
+            self._uncommitted.clear()
         self._num_registered.clear()  # the next step re-walks each request's blocks once
 
     def reset_prefix_cache(self) -> None:

@@ -12,6 +12,7 @@ contexts and batches have the next bucket compiled before they reach it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 from models.loader import LoadedModel
 from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
-from paxserve.input_batch import InputBatch
+from paxserve.input_batch import InputBatch, PreparedStep
 from paxserve.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.prompt_logprobs import PROMPT_PACKED_WIDTH, PromptLogprobsInputs
 from paxserve.sampler import SamplerState, SamplingMetadata, state_writes_args
@@ -45,6 +46,24 @@ logger = logging.getLogger(__name__)
 # A step may run in a compiled bucket that costs up to this many times its own (tokens x sequences
 # x block width) while its own compiles in the background; a larger one is not worth it.
 _COVER_COST = 4
+
+
+@dataclass(slots=True)
+class ModelStep:
+    """An engine step in flight: its host-side rows and its device work."""
+
+    prepared: PreparedStep
+    device: "DeviceStep"
+
+
+@dataclass(slots=True)
+class DeviceStep:
+    """A step dispatched to the device whose results have not been copied back yet."""
+
+    packed: jax.Array  # the sampler's packed output (flat, with the prompt-logprob rows after it)
+    num_seqs: int  # real rows
+    num_rows: int  # padded rows
+    num_prompt_positions: int | None  # padded token positions scored, for a prompt-logprobs step
 
 
 class ModelRunner:
@@ -206,25 +225,27 @@ class ModelRunner:
         if writes:
             self.write_sampler_state(build_state_writes(writes, self.num_state_rows, self.model.config.vocab_size))
 
-    def execute_model(self, out: SchedulerOutput, constrained: ConstrainedRows | None = None,
-                      prompt: PromptLogprobsInputs | None = None) -> tuple[SampledTokens, np.ndarray | None]:
-        """Run the scheduled rows (after `update_rows`): the batch is gathered from the persistent
-        batch, constrained rows' bitmask words (plain data from the engine core) are placed in an
-        all-ones bitmask, and the rows' kept tokens are recorded. With `prompt`, also returns the
-        prompt-logprob rows (see `execute_with_prompt_logprobs`)."""
+    def dispatch_model(self, out: SchedulerOutput, constrained: ConstrainedRows | None = None,
+                       prompt: PromptLogprobsInputs | None = None) -> ModelStep:
+        """Start the scheduled rows on the device (after `update_rows`) and return at once: the batch
+        is gathered from the persistent batch (inputs the previous step has not returned yet are
+        read on the device), constrained rows' bitmask words (plain data from the engine core) go
+        into an all-ones bitmask. `complete_model` waits for the results."""
         kind = "forward" if prompt is None else "all_logits"
         step = self.input_batch.prepare(out.scheduled, lambda t, s, b: self.buckets(t, s, b, kind))
         if constrained is not None:
             bitmask = np.full((step.batch.context_lens.shape[0], constrained.words.shape[1]), -1, np.int32)
             bitmask[constrained.rows] = constrained.words
             step.sampling.allowed_token_bitmask = bitmask
-        prompt_rows = None
-        if prompt is None:
-            sampled = self.execute(step.batch, step.sampling)
-        else:
+        if prompt is not None:
             prompt = prompt.padded(step.batch.input_ids.shape[0])
-            sampled, prompt_rows = self.execute_with_prompt_logprobs(step.batch, step.sampling, prompt)
-        self.input_batch.record(step, sampled.token_ids)
+        return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt))
+
+    def complete_model(self, step: ModelStep) -> tuple[SampledTokens, np.ndarray | None]:
+        """Wait for a dispatched step, record its kept tokens in the persistent batch and return
+        them (with the prompt-logprob rows of a prompt-logprobs step)."""
+        sampled, prompt_rows = self.collect(step.device)
+        self.input_batch.record(step.prepared, sampled.token_ids)
         return sampled, prompt_rows
 
     # ---- one step on the device ----------------------------------------------------------------------
@@ -242,11 +263,15 @@ class ModelRunner:
                         key[1:], len(self.compiled))
         return self.programs.get(key)(*args)
 
+    def _forward_args(self, batch: Batch) -> tuple[Any, ...]:
+        source = batch.token_source if batch.token_source is not None else np.full(batch.input_ids.shape, -1, np.int32)
+        return (self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+                attention_metadata(batch), self.sampler_state.last_token, jnp.asarray(source))
+
     def compute_logits(self, batch: Batch) -> np.ndarray:
         """Float32 logits [num_seqs, vocab] for the real sequences of `batch` (tests, greedy tools)."""
         logits, self.kv_cache = jitted_logits(self.model.architecture.forward)(
-            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            attention_metadata(batch), **self.shapes.statics())
+            *self._forward_args(batch), **self.shapes.statics())
         return np.asarray(logits[: batch.num_seqs])
 
     def write_sampler_state(self, writes: StateWrites) -> None:
@@ -254,30 +279,31 @@ class ModelRunner:
         them)."""
         self.sampler_state = write_state_rows_step(self.sampler_state, *state_writes_args(writes))
 
-    def execute(self, batch: Batch, sampling: SamplingInputs) -> SampledTokens:
-        """One engine step: the forward, sampling on the device, one device-to-host copy."""
+    def dispatch(self, batch: Batch, sampling: SamplingInputs,
+                 prompt: PromptLogprobsInputs | None = None) -> DeviceStep:
+        """Start one step on the device (the forward, then sampling there) and return without
+        waiting for it: JAX runs it while the host goes on. With `prompt`, the forward keeps logits
+        at every position and the sampler scores them too."""
         t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
-        logits, self.kv_cache = self._run(("forward", t, s, b), self.model.params, self.kv_cache,
-                                          jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-                                          attention_metadata(batch))
-        packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
-                                               self.sampler_state)
-        return unpack(np.asarray(packed), batch.num_seqs)
-
-    def execute_with_prompt_logprobs(self, batch: Batch, sampling: SamplingInputs,
-                                     prompt: PromptLogprobsInputs) -> tuple[SampledTokens, np.ndarray]:
-        """`execute` plus prompt logprobs: also returns the packed [T, PROMPT_PACKED_WIDTH] float32
-        rows of every flat position. Its programs are keyed by the plain step's bucket alone."""
-        t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
+        if prompt is None:
+            logits, self.kv_cache = self._run(("forward", t, s, b), *self._forward_args(batch))
+            packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
+                                                   self.sampler_state)
+            return DeviceStep(packed, batch.num_seqs, s, None)
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
-        metadata = attention_metadata(batch)
-        logits, self.kv_cache = self._run(("all_logits", t, s, b), self.model.params, self.kv_cache,
-                                          jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), metadata)
-        packed, self.sampler_state = self._run(("score", t, s), logits, metadata.logits_indices,
+        args = self._forward_args(batch)
+        logits, self.kv_cache = self._run(("all_logits", t, s, b), *args)
+        packed, self.sampler_state = self._run(("score", t, s), logits, args[4].logits_indices,
                                                self._sampling_metadata(sampling), self.sampler_state,
                                                jnp.asarray(prompt.targets))
-        flat = np.asarray(packed)
-        num_sampled = s * PACKED_WIDTH
-        sampled = unpack(flat[:num_sampled].reshape(s, PACKED_WIDTH), batch.num_seqs)
-        return sampled, flat[num_sampled:].reshape(t, PROMPT_PACKED_WIDTH)
+        return DeviceStep(packed, batch.num_seqs, s, t)
+
+    def collect(self, step: DeviceStep) -> tuple[SampledTokens, np.ndarray | None]:
+        """Wait for a dispatched step and copy its results to the host (the step's one copy)."""
+        flat = np.asarray(step.packed)
+        if step.num_prompt_positions is None:
+            return unpack(flat, step.num_seqs), None
+        num_sampled = step.num_rows * PACKED_WIDTH
+        sampled = unpack(flat[:num_sampled].reshape(step.num_rows, PACKED_WIDTH), step.num_seqs)
+        return sampled, flat[num_sampled:].reshape(step.num_prompt_positions, PROMPT_PACKED_WIDTH)

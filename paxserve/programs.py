@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,7 +84,7 @@ class Programs:
             # Not a daemon: at exit the interpreter waits for the compile in progress (a daemon thread
             # inside XLA while the backend is torn down aborts the process); the worker stops as
             # soon as the main thread has ended.
-            threading.Thread(target=self._work, name="paxserve-compile").start()
+            threading.Thread(target=_work, args=(self._queue, weakref.ref(self)), name="paxserve-compile").start()
         self.background = background
         self.num_loaded = 0  # read from the store
         self.num_compiled = 0  # compiled in this process (in the step loop or the background)
@@ -200,26 +201,16 @@ class Programs:
             self._pending[key] = future
         self._queue.put((key, future))
 
-    def _work(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                if threading.main_thread().is_alive():
-                    continue
-                return
-            if item is None or not threading.main_thread().is_alive():
-                return
-            key, future = item
-            if future.done():  # dropped by close()
-                continue
-            try:
-                future.set_result(self._build(key))
-            except Exception as e:  # noqa: BLE001 - the step that needs it compiles it again and reports
-                logger.warning("background compile of %s failed: %s", _key_name(key), e)
-                with self._lock:
-                    self._pending.pop(key, None)
-                future.set_result(None)
+    def _compile_queued(self, key: Key, future: concurrent.futures.Future) -> None:
+        if future.done():  # dropped by close()
+            return
+        try:
+            future.set_result(self._build(key))
+        except Exception as e:  # noqa: BLE001 - the step that needs it compiles it again and reports
+            logger.warning("background compile of %s failed: %s", _key_name(key), e)
+            with self._lock:
+                self._pending.pop(key, None)
+            future.set_result(None)
 
     def wait(self) -> None:
         """Block until every background compile has finished (tests, benchmarks, shutdown)."""
@@ -267,6 +258,23 @@ def _compile_for_storing(lowered: Any) -> tuple[Any, bool]:
     hits = _CACHE_HITS.count
     compiled = lowered.compile()
     return compiled, _CACHE_HITS.count == hits
+
+
+def _work(work: queue.SimpleQueue, owner: weakref.ref) -> None:
+    """The background worker: compiles queued keys until told to stop, until its Programs is gone,
+    or once the main thread has ended (after the compile in progress, never in the middle of one)."""
+    while True:
+        try:
+            item = work.get(timeout=0.2)
+        except queue.Empty:
+            if threading.main_thread().is_alive() and owner() is not None:
+                continue
+            return
+        programs = owner()
+        if item is None or programs is None or not threading.main_thread().is_alive():
+            return
+        programs._compile_queued(*item)
+        del programs  # no strong reference between items: an engine that is dropped can be collected
 
 
 def _parse_key(name: str) -> Key | None:

@@ -47,7 +47,10 @@ class Request:
     # Its reader is behind (a slow client): not scheduled, and the first to give up its blocks.
     paused: bool = False
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    # Tokens sampled by steps that are scheduled (or running on the device) but whose results have
+    # not come back: they count for scheduling (the next decode follows them) but have no id yet.
+    num_output_placeholders: int = 0
+    num_computed_tokens: int = 0  # tokens in the KV cache once the scheduled steps have run
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -84,6 +87,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens the request will have once its in-flight steps come back: what scheduling sees."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -43,6 +43,7 @@ class SamplingMetadata:
     repetition_penalty: Float[Array, " S"]
     logprobs: Bool[Array, " S"]
     state_row: Int[Array, " S"]
+    batch_row: Int[Array, " S"]
     keep: Bool[Array, " S"]
     allowed_token_bitmask: Int[Array, "S W"]
 
@@ -67,17 +68,20 @@ class SamplerState:
     prompt_mask: Int[Array, "R W"]  # packed bits: the prompt's tokens (repetition penalty)
     bias: Float[Array, "R V"]  # logit_bias, dense
     suppress_mask: Int[Array, "R W"]  # packed bits: held back while step < min_tokens
+    # The last token each persistent-batch row kept: the next step's input for that row, read on the
+    # device, so the host can build that step before this one's results are back.
+    last_token: Int[Array, " R"]
 
     @classmethod
     def zeros(cls, num_rows: int, vocab_size: int) -> "SamplerState":
         w = bitmask_width(vocab_size)
         return cls(counts=jnp.zeros((num_rows, vocab_size), jnp.int32), prompt_mask=jnp.zeros((num_rows, w), jnp.int32),
                    bias=jnp.zeros((num_rows, vocab_size), jnp.float32),
-                   suppress_mask=jnp.zeros((num_rows, w), jnp.int32))
+                   suppress_mask=jnp.zeros((num_rows, w), jnp.int32), last_token=jnp.zeros((num_rows,), jnp.int32))
 
     @staticmethod
     def num_bytes(num_rows: int, vocab_size: int) -> int:
-        return num_rows * 4 * (2 * vocab_size + 2 * bitmask_width(vocab_size))
+        return num_rows * 4 * (2 * vocab_size + 2 * bitmask_width(vocab_size) + 1)
 
     @property
     def num_rows(self) -> int:
@@ -88,10 +92,10 @@ def write_state_rows(state: SamplerState, rows: Int[Array, " K"], counts: Int[Ar
                      prompt_mask: Int[Array, "K W"], bias: Float[Array, "K V"],
                      suppress_mask: Int[Array, "K W"]) -> SamplerState:
     """Overwrite whole rows of the state (rows past its end are padding and dropped)."""
-    return SamplerState(counts=state.counts.at[rows].set(counts, mode="drop"),
-                        prompt_mask=state.prompt_mask.at[rows].set(prompt_mask, mode="drop"),
-                        bias=state.bias.at[rows].set(bias, mode="drop"),
-                        suppress_mask=state.suppress_mask.at[rows].set(suppress_mask, mode="drop"))
+    return state.replace(counts=state.counts.at[rows].set(counts, mode="drop"),
+                         prompt_mask=state.prompt_mask.at[rows].set(prompt_mask, mode="drop"),
+                         bias=state.bias.at[rows].set(bias, mode="drop"),
+                         suppress_mask=state.suppress_mask.at[rows].set(suppress_mask, mode="drop"))
 
 
 def state_writes_args(writes: StateWrites) -> tuple[jax.Array, ...]:
@@ -128,9 +132,12 @@ def apply_penalties_and_bias(logits: Float[Array, "S V"], md: SamplingMetadata,
 
 
 def count_kept_tokens(state: SamplerState, md: SamplingMetadata, tokens: Int[Array, " S"]) -> SamplerState:
-    """Add each kept token to its row's counts, so the next step's penalties see it."""
+    """Add each kept token to its row's counts, so the next step's penalties see it, and remember it
+    as its batch row's last token."""
     rows = jnp.where((md.state_row > 0) & md.keep, md.state_row, state.num_rows)  # past the end: dropped
-    return state.replace(counts=state.counts.at[rows, tokens].add(1, mode="drop"))
+    last = jnp.where(md.keep, md.batch_row, state.num_rows)
+    return state.replace(counts=state.counts.at[rows, tokens].add(1, mode="drop"),
+                         last_token=state.last_token.at[last].set(tokens, mode="drop"))
 
 
 def apply_token_bitmask(processed: Float[Array, "S V"], logits: Float[Array, "S V"],

@@ -81,6 +81,7 @@ class SamplingInputs:
     repetition_penalty: np.ndarray  # f32
     logprobs: np.ndarray  # bool; the row wants logprobs
     state_row: np.ndarray  # i32; its row of the sampler state, 0 = none
+    batch_row: np.ndarray  # i32; its persistent-batch row (0 = padding): where its kept token is remembered
     keep: np.ndarray  # bool; its token is kept (counted for penalties)
     # i32 [S, ceil(V/32)]: bit t of word t//32 set = token t allowed; None = every token (no row is
     # constrained), which the runner sends as a device array it keeps.
@@ -258,7 +259,8 @@ class SamplingColumns:
             min_p=self.min_p[rows], seed=self.seed[rows], step=step.astype(np.int32),
             min_tokens=self.min_tokens[rows], presence_penalty=self.presence_penalty[rows],
             frequency_penalty=self.frequency_penalty[rows], repetition_penalty=self.repetition_penalty[rows],
-            logprobs=self.logprobs[rows], state_row=self.state_row[rows], keep=keep.astype(bool),
+            logprobs=self.logprobs[rows], state_row=self.state_row[rows], batch_row=rows.astype(np.int32),
+            keep=keep.astype(bool),
             allowed_token_bitmask=bitmask, num_rows=num_rows, vocab_size=self.vocab_size,
         )
 

@@ -57,6 +57,9 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens fed this step, starting at num_computed_tokens
     num_computed_tokens: int  # tokens already in its KV cache before this step
     new_block_ids: list[int]  # blocks it was given this step (a new request's are in its NewRequestData)
+    # The step completes the request's tokens, so the token it samples is the request's next one (a
+    # prompt chunk that leaves more to compute samples nothing that is kept).
+    samples: bool = True
 
 
 @dataclass(slots=True)
@@ -139,10 +142,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.paused:
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if request.paused or num_new <= 0 or (
+                    request.num_output_placeholders and
+                    request.num_output_tokens + request.num_output_placeholders >= request.max_tokens):
+                # Paused, or waiting for the results of its steps in flight (the last it may have).
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_blocks_before = self.kv.num_blocks(request.request_id)
             while not self.kv.allocate_slots(request, num_new):
                 # A paused request makes no progress, so it gives up its blocks first; otherwise
@@ -157,8 +163,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request.request_id, num_new, request.num_computed_tokens,
-                                                      self.kv.block_ids(request.request_id, num_blocks_before)))
+                out.scheduled.append(self._scheduled(request, num_new,
+                                                     self.kv.block_ids(request.request_id, num_blocks_before)))
                 budget -= num_new
                 i += 1
                 continue
@@ -167,7 +173,9 @@ class Scheduler:
         # Admitting new work in a step that had to preempt would only thrash.
         thrashing = bool(out.preempted_ids)
         while not thrashing and budget > 0:
-            index = next((j for j, r in enumerate(self.waiting) if not r.paused), None)
+            # A preempted request whose last step is still in flight waits for its token first.
+            index = next((j for j, r in enumerate(self.waiting) if not r.paused and not r.num_output_placeholders),
+                         None)
             if index is None:
                 break
             if len(self.running) >= self.config.max_num_seqs:
@@ -201,20 +209,33 @@ class Scheduler:
             out.new_requests.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, request.seed, request.eos_token_ids, self.kv.block_ids(request.request_id)))
-            out.scheduled.append(ScheduledRequest(request.request_id, num_new, num_hit, []))
+            out.scheduled.append(self._scheduled(request, num_new, []))
             budget -= num_new
         out.left_running_ids, self._left_running = self._left_running, []
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance computed counts and append each fully computed request's sampled token (partial
-        prompt chunks discard theirs). Returns requests finished by length or stop tokens."""
+    def _scheduled(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+        """The row of a request scheduled for `num_new` tokens. Its computed count moves on now (the
+        next schedule may follow this step before its results are back), and a step that completes
+        its tokens holds a placeholder for the token it will sample."""
+        samples = request.num_computed_tokens + num_new == request.num_tokens_with_placeholders
+        row = ScheduledRequest(request.request_id, num_new, request.num_computed_tokens, new_block_ids, samples)
+        request.num_computed_tokens += num_new
+        request.num_output_placeholders += samples
+        return row
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int],
+                           scheduled_for: list[Request | None] | None = None) -> list[Request]:
+        """Turn each sampling row's placeholder into its token (partial prompt chunks keep nothing).
+        A request that finished or was aborted while the step ran drops its token, even if a new
+        request took its id meanwhile (`scheduled_for`: the requests the step was scheduled for,
+        when it ran behind later schedules). Returns the requests finished by length or stop tokens."""
         finished = []
-        for s, token in zip(out.scheduled, sampled, strict=True):
-            request = self.requests[s.request_id]
-            request.num_computed_tokens += s.num_new_tokens
-            if request.num_computed_tokens < request.num_tokens:
+        for i, (s, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
+            request = self.requests.get(s.request_id)
+            if not s.samples or request is None or (scheduled_for is not None and scheduled_for[i] is not request):
                 continue
+            request.num_output_placeholders -= 1
             status = request.append_output(token)
             if status is not None:
                 self.finish(request, status)

@@ -44,11 +44,18 @@ def jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
     jitted function per architecture, shared by all runners. Under tensor parallelism the forward
     runs split over the mesh and the logits come back whole on every device."""
 
-    def logits(params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
+    def logits(params, kv_cache, input_ids, positions, metadata, last_token, token_source, cfg,  # noqa: ANN001, ANN202
                attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+        input_ids = _with_last_tokens(input_ids, last_token, token_source)
         return _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp)
 
     return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
+
+
+def _with_last_tokens(input_ids: Int[Array, " T"], last_token: Int[Array, " R"],
+                      token_source: Int[Array, " T"]) -> Int[Array, " T"]:
+    """Input tokens the host did not have yet (the previous step's samples) read from the device."""
+    return jnp.where(token_source >= 0, last_token[jnp.maximum(token_source, 0)], input_ids)
 
 
 @cache
@@ -57,7 +64,9 @@ def jitted_all_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
     batches that ask for prompt logprobs pay)."""
 
     def logits(params, kv_cache, input_ids: Int[Array, " T"], positions: Int[Array, " T"],  # noqa: ANN001, ANN202
-               metadata: AttentionMetadata, cfg, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+               metadata: AttentionMetadata, last_token: Int[Array, " R"], token_source: Int[Array, " T"],
+               cfg, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+        input_ids = _with_last_tokens(input_ids, last_token, token_source)
         every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
         return _run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp)
 
@@ -128,7 +137,8 @@ class StepShapes:
         return SamplerState(counts=_shape((r, v), jnp.int32, self._replicated),
                             prompt_mask=_shape((r, w), jnp.int32, self._replicated),
                             bias=_shape((r, v), jnp.float32, self._replicated),
-                            suppress_mask=_shape((r, w), jnp.int32, self._replicated))
+                            suppress_mask=_shape((r, w), jnp.int32, self._replicated),
+                            last_token=_shape((r,), jnp.int32, self._replicated))
 
     def sampling(self, s: int) -> SamplingMetadata:
         f32, i32 = jnp.float32, jnp.int32
@@ -137,23 +147,25 @@ class StepShapes:
             min_p=_shape((s,), f32), seed=_shape((s, 2), jnp.uint32), step=_shape((s,), i32),
             min_tokens=_shape((s,), i32), presence_penalty=_shape((s,), f32), frequency_penalty=_shape((s,), f32),
             repetition_penalty=_shape((s,), f32), logprobs=_shape((s,), bool), state_row=_shape((s,), i32),
-            keep=_shape((s,), bool), allowed_token_bitmask=_shape((s, bitmask_width(self.cfg.vocab_size)), i32))
+            batch_row=_shape((s,), i32), keep=_shape((s,), bool),
+            allowed_token_bitmask=_shape((s, bitmask_width(self.cfg.vocab_size)), i32))
 
     def forward_args(self, t: int, s: int, b: int) -> tuple[Any, ...]:
         i32 = jnp.int32
         metadata = AttentionMetadata(slot_mapping=_shape((t,), i32), block_tables=_shape((s, b), i32),
                                      context_lens=_shape((s,), i32), query_start_loc=_shape((s + 1,), i32),
                                      logits_indices=_shape((s,), i32))
-        return (self.params(), self.kv_cache(), _shape((t,), i32), _shape((t,), i32), metadata)
+        return (self.params(), self.kv_cache(), _shape((t,), i32), _shape((t,), i32), metadata,
+                _shape((self.num_state_rows,), i32, self._replicated), _shape((t,), i32))
 
     def fingerprint(self, kind: str) -> str:
         """What shapes a program of `kind` here (besides JAX, the devices and the source): the model's
-        config, dtype and split; the forward's cache shape and attention backend; the sampler's
-        number of state rows."""
+        config, dtype and split, the number of state rows; the forward's cache shape and attention
+        backend."""
         tp = None if self.tp is None else (self.tp.size, self.tp.expert_parallel)
         common = f"{self.cfg!r}|{self.dtype}|{tp!r}|{kind}"
         if kind in ("forward", "all_logits"):
-            return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}"
+            return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"
 
     def statics(self) -> dict[str, Any]:

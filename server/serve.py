@@ -49,6 +49,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, seed=args.seed, warmup=args.warmup,
         compile_in_background=args.compile_in_background, compilation_cache_dir=args.compilation_cache_dir,
+        async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, generation_config=args.generation_config,
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
         **({"log_stats_interval": 0} if args.disable_log_stats else {}),

@@ -180,7 +180,7 @@ def test_cancel_before_input_processing_finished(engine: Engine, refs: dict, mon
 def test_cancel_while_waiting_for_the_first_output(engine: Engine, refs: dict, monkeypatch: pytest.MonkeyPatch
                                                    ) -> None:
     async def body(aeng: AsyncEngine) -> None:
-        entered, returned = slow_once(monkeypatch, engine.runner, "execute", 0.3)
+        entered, returned = slow_once(monkeypatch, engine.runner, "collect", 0.3)
         got: list[RequestOutput] = []
         generated = aeng.snapshot.generation_tokens
         task = asyncio.create_task(collect(aeng, "first-wait", SHORT[1], greedy(200), got))
@@ -320,7 +320,7 @@ def test_reusing_an_aborted_request_id_at_once_gets_only_its_own_tokens(
     async def body(aeng: AsyncEngine) -> list[int]:
         gen = aeng.generate("reused", SHORT[3], greedy(50))
         await gen.__anext__()
-        entered, _ = slow_once(monkeypatch, engine.runner, "execute", 0.5)
+        entered, _ = slow_once(monkeypatch, engine.runner, "collect", 0.5)
         await wait_for_event(entered)  # a step carrying the old request is running
         await gen.aclose()  # a client goes away; its id comes straight back with a new prompt
         outs = await collect(aeng, "reused", SHORT[2], GREEDY20)
@@ -474,7 +474,7 @@ def test_snapshot_is_readable_while_a_long_step_runs(engine: Engine, monkeypatch
     async def body(aeng: AsyncEngine) -> None:
         gen = aeng.generate("long-step", SHORT[2], greedy(60, DELTA))
         await gen.__anext__()
-        entered, returned = slow_once(monkeypatch, engine.runner, "execute", 1.0)
+        entered, returned = slow_once(monkeypatch, engine.runner, "collect", 1.0)
         await wait_for_event(entered)
         worst = 0.0
         for _ in range(20):

@@ -33,14 +33,15 @@ def alone(engine: Engine) -> list[list[int]]:
 
 
 def inject(engine: Engine, monkeypatch: pytest.MonkeyPatch, should_fail: Callable[[int], bool],
-           lose_kv: Callable[[int], bool] = lambda _: False) -> list[int]:
-    """Make `runner.execute` raise on the calls `should_fail` picks (counting from 0); where `lose_kv`
+           lose_kv: Callable[[int], bool] = lambda _: False, at: str = "dispatch") -> list[int]:
+    """Make the runner's `dispatch` (starting a step) or `collect` (taking its results in: where a
+    device error shows) raise on the calls `should_fail` picks (counting from 0); where `lose_kv`
     also picks them, delete the cache first, as a step that took the donated cache down would."""
-    real = engine.runner.execute
+    real = getattr(engine.runner, at)
     failed: list[int] = []
     calls = iter(range(10**9))
 
-    def execute(batch, sampling):  # noqa: ANN001, ANN202
+    def fail_or_run(*args):  # noqa: ANN002, ANN202
         call = next(calls)
         if should_fail(call):
             failed.append(call)
@@ -48,9 +49,9 @@ def inject(engine: Engine, monkeypatch: pytest.MonkeyPatch, should_fail: Callabl
                 for leaf in (engine.runner.kv_cache.k, engine.runner.kv_cache.v):
                     leaf.delete()
             raise StepFault(f"injected failure at step {call} (buffer <object at 0xdeadbeef>)")
-        return real(batch, sampling)
+        return real(*args)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.runner, at, fail_or_run)
     return failed
 
 
@@ -131,11 +132,14 @@ def test_a_step_that_loses_the_kv_cache_recomputes_the_survivors(engine: Engine,
     assert_no_blocks_held(engine)
 
 
-def test_faults_at_random_steps_under_load(engine: Engine, alone, monkeypatch) -> None:
+@pytest.mark.parametrize("at", ["dispatch", "collect"])
+def test_faults_at_random_steps_under_load(engine: Engine, alone, monkeypatch, at: str) -> None:
+    """Faults as a step starts, and as its results are taken in: with async scheduling the next
+    step is then already on the device on top of the failed one, and is undone and scheduled again."""
     rng = np.random.default_rng(11)
     fail_at = set(int(x) for x in rng.choice(40, size=6, replace=False))
     lose_at = set(list(fail_at)[:2])
-    failed = inject(engine, monkeypatch, lambda call: call in fail_at, lose_kv=lambda call: call in lose_at)
+    failed = inject(engine, monkeypatch, lambda call: call in fail_at, lose_kv=lambda call: call in lose_at, at=at)
     engine.reset_prefix_cache()
     with limits(engine, max_num_seqs=4):
         finals = run_all(engine, PROMPTS * 2, GREEDY)

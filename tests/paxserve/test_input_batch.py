@@ -49,7 +49,7 @@ def test_a_step_is_gathered_from_the_rows() -> None:
     batch = InputBatch(4, max_blocks_per_seq=4, block_size=4, vocab_size=V)
     batch.add(new("dec", [11, 12, 13, 14, 15], [3, 7], output=[16], temperature=0.5, top_k=3, logprobs=2))
     batch.add(new("pre", list(range(30, 40)), [9, 4], repetition_penalty=1.1))
-    step = batch.prepare([ScheduledRequest("pre", 6, 0, []), ScheduledRequest("dec", 1, 5, [])],
+    step = batch.prepare([ScheduledRequest("pre", 6, 0, [], samples=False), ScheduledRequest("dec", 1, 5, [])],
                          lambda t, n, b: (8, 4, 4))
     b = step.batch
     assert b.input_ids.tolist() == [30, 31, 32, 33, 34, 35, 16, 0]
@@ -59,7 +59,7 @@ def test_a_step_is_gathered_from_the_rows() -> None:
     assert b.context_lens.tolist() == [6, 6, 0, 0] and b.logits_indices.tolist() == [5, 6, 0, 0]
     sampling = step.sampling
     assert sampling.temperature.tolist() == [1.0, 0.5, 0.0, 0.0]
-    assert sampling.keep.tolist() == [False, True, False, False] and step.keep.tolist() == [False, True]
+    assert sampling.keep.tolist() == [False, True, False, False] and step.keep == [False, True]
     assert sampling.step.tolist() == [0, 1, 0, 0] and sampling.logprobs.tolist() == [False, True, False, False]
     assert sampling.state_row.tolist() == [batch.row("pre"), 0, 0, 0]
     assert sampling.allowed_token_bitmask is None  # nothing constrained: nothing to send

@@ -138,11 +138,12 @@ def test_chunked_prefill_and_a_prefix_cache_hit_give_full_prompt_logprobs(engine
 
 def test_preemption_mid_prompt_neither_loses_nor_repeats_entries(engine: Engine, reference) -> None:  # noqa: ANN001
     engine.add_request("mid", LONG, greedy(prompt_logprobs=5))
-    engine.step()
-    engine.step()  # positions 0..31 are scored
     request = engine.scheduler.requests["mid"]
+    for _ in range(3):  # two chunks of 16 (a third may be in flight, with async scheduling)
+        if request.prompt_logprobs.num_filled < 32:
+            engine.step()
     assert request.prompt_logprobs.num_filled == 32
-    engine.scheduler.preempt_all()
+    engine.scheduler.preempt_all()  # with the next chunk in flight, whose scores still land
     outs = run_to_end(engine)["mid"]
     assert request.num_preemptions == 1 and request.prompt_logprobs.num_filled == len(LONG) - 1
     assert_matches(engine, outs[-1].prompt_logprobs, LONG, reference(LONG), 5)
@@ -151,13 +152,18 @@ def test_preemption_mid_prompt_neither_loses_nor_repeats_entries(engine: Engine,
 
 def test_a_batch_mate_without_prompt_logprobs_is_unaffected_under_preemption(engine: Engine, reference) -> None:  # noqa: ANN001
     runner, calls = engine.runner, []
-    scored = runner.execute_with_prompt_logprobs
-    runner.execute_with_prompt_logprobs = lambda *a: (calls.append(1), scored(*a))[1]
+    dispatch = runner.dispatch_model
+
+    def counting(out, constrained=None, prompt=None):  # noqa: ANN001, ANN202
+        calls.extend([1] if prompt is not None else [])
+        return dispatch(out, constrained, prompt)
+
+    runner.dispatch_model = counting
     before = set(runner.programs.keys())
     try:
         alone = engine.generate([OTHER], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     finally:
-        del runner.execute_with_prompt_logprobs
+        del runner.dispatch_model
     # A batch where nobody asks runs the plain program: no prompt-logprobs program is compiled or run.
     assert not calls
     assert not any(key[0] in ("all_logits", "score") for key in set(runner.programs.keys()) - before)

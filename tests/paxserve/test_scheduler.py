@@ -421,7 +421,7 @@ def test_preempt_newest_and_resume(enable_caching):
     out = sched.schedule()
     hits = 4 if enable_caching else 0  # b's first block survived (its second was evicted by a)
     assert plan(out) == [("b", 9 - hits), ("c", 2)]
-    assert b.num_computed_tokens == hits
+    assert out.scheduled[0].num_computed_tokens == hits and b.num_computed_tokens == 9
     assert b.num_cached_tokens == 0  # counted at first scheduling only
     # With caching b takes back block 3 (a hit, pulled out of the free list [3, 4, 2, 1]) and two new
     # ones (4, then a's cached 2, evicted); without, the same ids in free-list order. c gets block 1.
@@ -624,16 +624,20 @@ def checked_step(sched: Scheduler, tokens: list[int], expected_out: dict[str, li
     assert [n.request_id for n in out.new_requests] == [r.request_id for r in new]
     if new:
         for s, r in zip(out.scheduled[: len(old)], old):
-            assert s.num_new_tokens == r.num_tokens - r.num_computed_tokens
+            assert s.num_new_tokens == r.num_tokens - s.num_computed_tokens
     for s, r in zip(out.scheduled, sched_reqs):
-        assert s.num_new_tokens >= 1 and s.num_computed_tokens == r.num_computed_tokens
-        assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
-        assert len(sched.kv.block_ids(r.request_id)) * sched.kv.block_size >= r.num_computed_tokens + s.num_new_tokens
+        # The computed count moves on at schedule time; a step completing the tokens holds one
+        # placeholder for the token it samples.
+        assert s.num_new_tokens >= 1 and s.num_computed_tokens + s.num_new_tokens == r.num_computed_tokens
+        assert r.num_computed_tokens <= r.num_tokens
+        assert s.samples == (r.num_computed_tokens == r.num_tokens)
+        assert r.num_output_placeholders == int(s.samples)
+        assert len(sched.kv.block_ids(r.request_id)) * sched.kv.block_size >= r.num_computed_tokens
         assert r.status == RequestStatus.RUNNING
         if r in new:
             assert s.new_block_ids == []  # its NewRequestData holds its whole table
             if r.num_preemptions == 0:
-                assert r.num_computed_tokens == r.num_cached_tokens
+                assert s.num_computed_tokens == r.num_cached_tokens
     if rows is not None:
         for request_id in out.left_running_ids:
             rows.remove(request_id)
@@ -650,7 +654,7 @@ def checked_step(sched: Scheduler, tokens: list[int], expected_out: dict[str, li
     check_blocks(sched)
     sampled = [tokens[k % len(tokens)] for k in range(len(out.scheduled))]
     for s, r, t in zip(out.scheduled, sched_reqs, sampled):
-        if r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
+        if s.samples:
             expected_out[r.request_id].append(t)
     if rows is not None and out.scheduled:
         prepared = rows.prepare(out.scheduled, lambda t, n, b: (t, n, b))
@@ -670,6 +674,7 @@ def checked_step(sched: Scheduler, tokens: list[int], expected_out: dict[str, li
             assert r.num_output_tokens == r.max_tokens
         if r.status == RequestStatus.FINISHED_STOPPED:
             assert r.output_token_ids[-1] in r.eos_token_ids
+        assert r.num_output_placeholders == 0
         if not r.status.finished:
             assert r.num_computed_tokens <= r.num_tokens
     check_blocks(sched)

@@ -57,23 +57,24 @@ class Live:
 
 
 class Faults:
-    """Wraps the runner's execute: raises on the steps chosen by `arm`, counting from the arm."""
+    """Wraps the runner's `collect` (where a device fault surfaces: waiting for a step's results):
+    raises on the steps chosen by `arm`, counting from the arm."""
 
     def __init__(self, engine: Engine) -> None:
-        self.real = engine.runner.execute
+        self.real = engine.runner.collect
         self.engine = engine
         self.lock = threading.Lock()
         self.plan: set[int] = set()
         self.lose_kv = False
         self.calls = 0
         self.injected = 0
-        engine.runner.execute = self.execute
+        engine.runner.collect = self.collect
 
     def arm(self, steps: set[int], lose_kv: bool = False) -> None:
         with self.lock:
             self.plan, self.lose_kv, self.calls = set(steps), lose_kv, 0
 
-    def execute(self, batch, sampling):  # noqa: ANN001, ANN201
+    def collect(self, step):  # noqa: ANN001, ANN201
         with self.lock:
             call, self.calls = self.calls, self.calls + 1
             fail = call in self.plan
@@ -82,7 +83,7 @@ class Faults:
             if self.lose_kv:
                 self.engine.runner.kv_cache.k.delete()
             raise RuntimeError("injected fault in /secret/path/model.py at 0xdeadbeef")
-        return self.real(batch, sampling)
+        return self.real(step)
 
 
 @pytest.fixture(scope="module")
