@@ -222,10 +222,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                      help="load the stored step programs and compile the decode batch buckets at start-up "
                           "(--no-warmup starts faster and compiles on first use)")
-    eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+    eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="schedule and build each step while the previous one runs on the device, so host work "
                           "hides under device work (outputs follow one step behind; --no-async-scheduling runs "
-                          "each step to the end before the next)")
+                          "each step to the end before the next). Default: on with an accelerator, off on CPU")
     eng.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                      help="where compiled step programs are stored, so later starts load them instead of "
                           "compiling (default $XDG_CACHE_HOME/paxserve/programs; '' stores nothing)")

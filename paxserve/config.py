@@ -46,8 +46,9 @@ class EngineConfig:
     compile_in_background: bool = True
     # vLLM's --async-scheduling: schedule and build step N+1 while step N runs on the device (its
     # sampled tokens stay there as N+1's inputs); outputs, stop checks and detokenization follow one
-    # step behind, never emitting a token past a stop.
-    async_scheduling: bool = True
+    # step behind, never emitting a token past a stop. None = on where the device is an accelerator,
+    # off on CPU, whose "device" is the host's own cores (overlap only makes them contend).
+    async_scheduling: bool | None = None
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
     attention_backend: str = "auto"  # "auto" | "pallas" | "reference"; resolved at Engine start
     # Request defaults: "auto" = the checkpoint's generation_config.json (temperature, top_p, top_k,

@@ -133,10 +133,19 @@ class Engine:
                                   attention_backend=self.attention_backend, max_num_seqs=config.max_num_seqs,
                                   program_store=store, background_compile=config.compile_in_background)
         self.stats = StatsLogger(config.log_stats_interval)
+        async_scheduling = config.async_scheduling
+        platform = jax.devices()[0].platform
+        if async_scheduling is None:
+            async_scheduling = platform != "cpu"
+            why = (f"the default on {platform}" if async_scheduling else
+                   "the default on CPU: its steps run on the host's own cores, so building the next step beside "
+                   "one only makes them contend (measured 11% slower offline; benchmarks/RESULTS.md)")
+        else:
+            why = "as asked"
         self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats,
-                               async_scheduling=config.async_scheduling)
-        logger.info("%s", "async scheduling: each step is built while the previous one runs on the device"
-                    if config.async_scheduling else "synchronous scheduling: each step runs to the end before the next")
+                               async_scheduling=async_scheduling)
+        logger.info("%s (%s)", "async scheduling: each step is built while the previous one runs on the device"
+                    if async_scheduling else "synchronous scheduling: each step runs to the end before the next", why)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.model_config.eos_token_ids, self.max_model_len, config.seed,
                                               sampling_defaults=self.sampling_defaults)

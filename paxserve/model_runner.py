@@ -98,6 +98,9 @@ class ModelRunner:
         self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),
                                  program_store, background_compile, devices)
         self.compiled: set[tuple] = set()  # buckets the steps ran in, for the log and for tests
+        # Token slots the forward steps ran, and how many held real tokens: the padding the buckets cost.
+        self.tokens_run = 0
+        self.tokens_real = 0
         self._all_allowed: dict[int, jax.Array] = {}  # the bitmask of steps without constrained rows, by S
 
     def _new_kv_cache(self) -> KVCache:
@@ -191,7 +194,10 @@ class ModelRunner:
         top = min(next_power_of_2(max_num_seqs), next_power_of_2(max_num_batched_tokens))
         keys = [key for s in (1 << i for i in range(top.bit_length())) for key in (("forward", s, s, 1), ("sample", s))]
         missing = [key for key in keys if key not in self.programs]
-        now, later = (missing[:2], missing[2:]) if self.programs.background else (missing, [])
+        # With background compiles only the single-sequence step is worth waiting for (the first
+        # request needs it); a larger bucket missing from the store is covered meanwhile.
+        now = [key for key in missing if key in keys[:2]] if self.programs.background else missing
+        later = [key for key in missing if key not in now]
         for key in tqdm(now, desc="Compiling decode steps", unit="program", disable=None if now else True):
             self.programs.get(key)
         for key in later:
@@ -285,6 +291,8 @@ class ModelRunner:
         waiting for it: JAX runs it while the host goes on. With `prompt`, the forward keeps logits
         at every position and the sampler scores them too."""
         t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
+        self.tokens_run += t
+        self.tokens_real += batch.num_tokens
         if prompt is None:
             logits, self.kv_cache = self._run(("forward", t, s, b), *self._forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),

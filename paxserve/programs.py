@@ -165,6 +165,11 @@ class Programs:
             compiled = lower().compile()
         else:
             compiled, storable = _compile_for_storing(lower())
+            if storable and self._devices[0].platform == "cpu" and jax.config.jax_compilation_cache_dir:
+                # Seen on XLA:CPU with JAX's persistent cache on: stored programs that failed when run
+                # ("Function wrapped_iota not found") although no cache hit was reported while they
+                # compiled. That cache already spares this process the compiles; store nothing.
+                storable = False
             if storable:
                 self._save(key, compiled)
         with self._lock:

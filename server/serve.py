@@ -93,7 +93,7 @@ def run_server(args: argparse.Namespace) -> int:
         logger.warning("the model has no chat template: /v1/chat/completions will answer 400 (pass --chat-template)")
     plan = engine.plan
     logger.info(
-        "engine ready in %.1fs: weights loaded in %.1fs%s, decode buckets compiled in %.1fs%s", ready,
+        "engine ready in %.1fs: weights loaded in %.1fs%s, step programs loaded or compiled in %.1fs%s", ready,
         engine.model.load_seconds, " (from cache)" if engine.model.from_cache else "",
         getattr(engine, "warmup_seconds", 0.0), "" if args.warmup else " (--no-warmup: compiling on first use)")
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max_model_len %d; max concurrency %.2fx; "

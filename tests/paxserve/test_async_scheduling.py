@@ -1,9 +1,10 @@
-"""Async scheduling (vLLM's --async-scheduling, on by default): step N+1 is scheduled and dispatched
+"""Async scheduling (vLLM's --async-scheduling, on by default with an accelerator): step N+1 is scheduled and dispatched
 before step N's results are back. Every token must be what synchronous scheduling gives, stops must
 never let a token through, and aborts and preemption must cost nothing but their own request."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ def test_preemption_and_structured_outputs_under_async_scheduling(tiny_dir: Path
     args = {**TEST_ENGINE_ARGS, "num_gpu_blocks_override": 14, "max_model_len": 128}
     answers = {}
     for mode in (False, True):
-        engine = Engine(str(tiny_dir), **args, async_scheduling=mode)
+        engine = Engine(str(tiny_dir), **{**args, "async_scheduling": mode})
         answers[mode] = _texts(engine, prompts, params)
         assert engine.stats.preemptions > 0, "the pool was meant to force preemption"
         assert_no_blocks_held(engine)
@@ -131,3 +132,13 @@ def test_an_id_reused_while_the_old_request_is_in_flight_gets_only_its_own_token
     assert outs[-1].finished and outs[-1].prompt_token_ids == PROMPTS[6]
     assert outs[-1].outputs[0].token_ids == alone.outputs[0].token_ids
     assert_no_blocks_held(engine)
+
+
+def test_cpu_defaults_to_synchronous_scheduling_and_says_why(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """On CPU the "device" is the host's own cores: overlapping only makes them contend (measured
+    slower), so the default there is synchronous; the log says so and why."""
+    args = {k: v for k, v in TEST_ENGINE_ARGS.items() if k != "async_scheduling"}
+    with caplog.at_level(logging.INFO, logger="paxserve.engine"):
+        engine = Engine(str(tiny_dir), **args)
+    assert engine.core.async_scheduling is False
+    assert "synchronous scheduling" in caplog.text and "contend" in caplog.text

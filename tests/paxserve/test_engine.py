@@ -18,9 +18,11 @@ from tests.helpers import make_tiny_llama
 
 VOCAB = 49152
 # Buckets compile in the step that needs them (no background compiles: the tests count programs).
+# Async scheduling as on an accelerator (CPU's default is synchronous), so the engine, async-engine
+# and fault tests run the pipeline GPUs use; the servers the server tests start run CPU's default.
 TEST_ENGINE_ARGS: dict[str, Any] = dict(warmup=False, log_stats_interval=0, compilation_cache_dir="",
                                         max_model_len=256, kv_cache_memory_bytes=64 * 2**20,
-                                        compile_in_background=False)
+                                        compile_in_background=False, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")

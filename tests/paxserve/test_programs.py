@@ -91,3 +91,16 @@ def test_background_compiles_give_the_same_tokens_and_then_a_steady_state(tiny_d
     engine.runner.programs.wait()
     assert engine.runner.programs.num_compiled == compiled
     engine.runner.programs.close()
+
+
+def test_nothing_is_stored_on_cpu_while_jax_s_own_persistent_cache_is_on(tiny_dir: Path, tmp_path: Path) -> None:
+    """This pytest process runs with JAX's persistent cache on (conftest), where XLA:CPU has stored
+    programs that fail when run: the store is left alone, and the programs still compile and serve."""
+    import jax
+
+    assert jax.config.jax_compilation_cache_dir
+    store = tmp_path / "store"
+    engine = _engine(tiny_dir, compilation_cache_dir=str(store), warmup=False)
+    out = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6 and engine.runner.programs.num_compiled > 0
+    assert not list(store.rglob("*.xla"))
