@@ -5,8 +5,8 @@
 
 What is timed: `Engine.step()` end to end (schedule and block allocation, the step's batch and
 sampling inputs, the sampled tokens' bookkeeping, detokenization and stop checks in the output
-processor) with `ModelRunner.execute` replaced by a stub that returns random tokens at once, so
-what remains is exactly the host's share of a step. The model is a one-layer random Llama with the
+processor) with the runner's device call (`ModelRunner.dispatch`) replaced by a stub that returns
+random tokens at once, so what remains is exactly the host's share of a step. The model is a one-layer random Llama with the
 bundled SmolLM2 vocabulary and tokenizer (its weights never run); every request is greedy with
 `ignore_eos`, prompts are random token ids, and each request is first brought to its context length
 (prefilled through the stub) before the timed decode steps: the median step over `--steps` decode
@@ -15,12 +15,14 @@ steps, the median over `--runs` runs.
 The device side is a model, not a measurement: an H200 decode step of Llama-3-8B in bfloat16 at
 its memory-bandwidth bound (16.1 GB of weights plus 128 KiB of KV per context token, read at
 4.8 TB/s), the shortest step the device could take. The device would idle host / (host + device) of
-the time with the host's work serial with the device's (the engine today), and
-max(0, host - device) / host with the next step's host work overlapped (async scheduling).
+the time with the host's work serial with the device's (synchronous scheduling), and
+max(0, host - device) / max(host, device) with the next step's host work overlapped (async
+scheduling, the default since issue 15).
 
 The same script runs against earlier commits (it stubs whichever device method the version has): for
 a "before" run, `git worktree add /tmp/before <commit>`, copy this file (and plotting.py) into its
-benchmarks/ folder and run it from there.
+benchmarks/ folder and run it from there; `--compare before.json after.json --plot out.png` then
+prints both side by side and plots them together.
 """
 
 from __future__ import annotations
@@ -109,28 +111,90 @@ def measure(directory: Path, batch: int, context: int, steps: int) -> float:
     """Median host seconds per decode step at `batch` sequences of about `context` tokens."""
     from paxserve import Engine, SamplingParams
 
-    block = 16
-    blocks_per_seq = -(-(context + steps + 2) // block)
-    engine = Engine(str(directory), warmup=False, log_stats_interval=0, compilation_cache_dir="",
-                    max_model_len=blocks_per_seq * block, max_num_seqs=batch, max_num_batched_tokens=8192,
+    block, budget = 16, 8192
+    # Requests prefilled first decode while the rest prefill: give every request room for those
+    # tokens too, so all `batch` of them are still decoding through the timed steps.
+    max_tokens = steps + 8 + 2 * -(-batch * context // budget)
+    blocks_per_seq = -(-(context + max_tokens) // block)
+    # No background compiles: the stubbed steps run no program, and a compiling thread would take the
+    # host's time (its GIL) away from the steps being timed.
+    from paxserve.config import EngineConfig
+
+    kwargs = {"compile_in_background": False} if "compile_in_background" in EngineConfig.__dataclass_fields__ else {}
+    engine = Engine(str(directory), warmup=False, log_stats_interval=0, compilation_cache_dir="", **kwargs,
+                    max_model_len=blocks_per_seq * block, max_num_seqs=batch, max_num_batched_tokens=budget,
                     num_gpu_blocks_override=batch * blocks_per_seq + 1, block_size=block, enable_prefix_caching=True)
     stub_device(engine.runner)
     rng = np.random.default_rng(batch * 100003 + context)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(3, VOCAB, context).tolist(), params)
-    while sum(len(r.output_token_ids) for r in engine.scheduler.running) < batch or engine.scheduler.waiting:
+    running = engine.scheduler.running
+    while len(running) < batch or not all(r.output_token_ids for r in running):
         engine.step()  # prefill (through the stub) until every request decodes
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        if engine.core.last_num_scheduled != batch or len(running) != batch:
+            raise RuntimeError(f"a timed step ran {engine.core.last_num_scheduled} sequences, not {batch}")
     return statistics.median(times)
 
 
 def device_model_seconds(batch: int, context: int) -> float:
     return (LLAMA3_8B_WEIGHT_BYTES + batch * context * LLAMA3_8B_KV_BYTES_PER_TOKEN) / H200_BYTES_PER_S
+
+
+def idle_fractions(host: float, device: float) -> tuple[float, float]:
+    """Device idle fraction with the host's work serial with the device's (step = host + device),
+    and with it overlapped (step = max(host, device))."""
+    return host / (host + device), max(0.0, host - device) / max(host, device)
+
+
+def compare(paths: list[Path], plot: Path | None) -> None:
+    """Side-by-side table (and plot) of earlier runs' JSON files: host ms per step of each, and the
+    device-idle fraction each engine would leave (the first serial, the later ones as labelled)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    keys = [(r["batch"], r["context"]) for r in runs[0]["rows"]]
+    by = [{(r["batch"], r["context"]): r for r in run["rows"]} for run in runs]
+    labels = [run["label"] or str(p) for run, p in zip(runs, paths)]
+    print("| batch | context | " + " | ".join(f"host ms/step, {lab}" for lab in labels) + " | ratio | "
+          "H200 step ms (model) | device idle: first serial / last overlapped |")
+    print("|---|---|" + "---|" * len(runs) + "---|---|---|")
+    for key in keys:
+        hosts = [b[key]["host_s"] for b in by if key in b]
+        if len(hosts) != len(runs):
+            continue
+        dev = by[0][key]["device_model_s"]
+        print(f"| {key[0]} | {key[1]} | " + " | ".join(f"{h * 1e3:.2f}" for h in hosts) +
+              f" | {hosts[0] / hosts[-1]:.1f}x | {dev * 1e3:.2f} | {idle_fractions(hosts[0], dev)[0]:.0%} / "
+              f"{idle_fractions(hosts[-1], dev)[1]:.0%} |")
+    if plot is None:
+        return
+    from plotting import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    batches = sorted({k[0] for k in keys})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (b_rows, label) in enumerate(zip(by, labels)):
+        for j, b in enumerate(batches):
+            pts = sorted((k[1], r["host_s"]) for k, r in b_rows.items() if k[0] == b)
+            ax.plot([c for c, _ in pts], [h * 1e3 for _, h in pts], marker="o", color=colors[j % len(colors)],
+                    linestyle=("-", "--", ":")[i % 3], label=f"batch {b}, {label}")
+    dev_pts = sorted((k[1], r["device_model_s"]) for k, r in by[0].items() if k[0] == batches[-1])
+    ax.plot([c for c, _ in dev_pts], [d * 1e3 for _, d in dev_pts], color="black", linewidth=0.8,
+            label=f"H200 Llama-3-8B step, batch {batches[-1]} (model)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens per sequence")
+    ax.set_ylabel("host ms per decode step (device stubbed)")
+    ax.set_title("host work per engine step")
+    ax.legend(fontsize=6)
+    print(save_figure(plt, fig, plot))
 
 
 def main() -> None:
@@ -142,7 +206,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="PNG of host ms per step against context, one line per batch")
     ap.add_argument("--label", default="", help="a name for this run in the table and the JSON")
+    ap.add_argument("--compare", type=Path, nargs="+", metavar="JSON",
+                    help="measure nothing: print earlier runs' JSON side by side (and --plot them together)")
     args = ap.parse_args()
+    if args.compare:
+        compare(args.compare, args.plot)
+        return
     logging.basicConfig(level=logging.WARNING)
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -159,26 +228,13 @@ def main() -> None:
                 host = statistics.median(measure(directory, b, c, args.steps) for _ in range(args.runs))
                 dev = device_model_seconds(b, c)
                 rows.append(dict(batch=b, context=c, host_s=host, device_model_s=dev))
-                print(f"| {b} | {c} | {host * 1e3:.2f} | {dev * 1e3:.2f} | {host / (host + dev):.0%} | "
-                      f"{max(0.0, host - dev) / host:.0%} |", flush=True)
+                serial, overlapped = idle_fractions(host, dev)
+                print(f"| {b} | {c} | {host * 1e3:.2f} | {dev * 1e3:.2f} | {serial:.0%} | {overlapped:.0%} |",
+                      flush=True)
     if args.json:
         args.json.write_text(json.dumps({"label": args.label, "rows": rows}, indent=1))
     if args.plot:
-        from plotting import pyplot, save_figure
-
-        plt = pyplot()
-        if plt is not None:
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for b in batches:
-                pts = [r for r in rows if r["batch"] == b]
-                ax.plot([r["context"] for r in pts], [r["host_s"] * 1e3 for r in pts], marker="o", label=f"batch {b}")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("context tokens per sequence")
-            ax.set_ylabel("host ms per decode step")
-            ax.set_title(args.label or "host work per engine step (device stubbed)")
-            ax.legend()
-            save_figure(plt, fig, args.plot)
+        compare([args.json], args.plot) if args.json else None
 
 
 if __name__ == "__main__":

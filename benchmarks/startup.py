@@ -8,6 +8,11 @@ from launch to its "paxserve listening on" line (ready), then to the end of a fi
 (XDG_CACHE_HOME: the GGUF is dequantized and every program compiled); each warm run is a new
 process on the folder the cold run filled. The log lines tell what was loaded and what was compiled
 before ready, during the first request and during the second. Medians over --runs.
+
+The servers run without PYTHONDONTWRITEBYTECODE (set on the developer machines): as on a user's
+machine, Python writes the bytecode of what it imports once and later starts read it (with the
+variable set, every start compiles ~2400 modules: about 4 s here). So only the first cold run of a
+fresh environment pays that; "cold" means an empty cache folder, not an empty bytecode cache.
 """
 
 from __future__ import annotations
@@ -48,14 +53,15 @@ def _chat(port: int, prompt: str) -> float:
     return time.perf_counter() - start
 
 
-def run_once(cache: Path, extra: list[str]) -> dict[str, Any]:
+def run_once(cache: Path, extra: list[str], log_path: Path | None = None) -> dict[str, Any]:
     port = _free_port()
     lines: list[str] = []
     ready = threading.Event()
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "paxserve.cli", "serve", "--port", str(port), *extra],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+                            env={**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+                                 "XDG_CACHE_HOME": str(cache)})
 
     def pump() -> None:
         assert proc.stderr is not None
@@ -78,6 +84,9 @@ def run_once(cache: Path, extra: list[str]) -> dict[str, Any]:
         proc.terminate()
         proc.wait(60)
     log = "".join(lines)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(log)
     loaded, compiled_at_start = (int(x) for x in READY.search(log).groups()) if READY.search(log) else (0, 0)
     return {"ready_s": ready_s, "first_request_s": first_s, "second_request_s": second_s,
             "programs_loaded": loaded, "compiled_at_start": compiled_at_start,
@@ -90,13 +99,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--log-dir", type=Path, help="keep each server's log here (cold-1.log, warm-1.log, ...)")
     ap.add_argument("extra", nargs="*", help="flags for paxserve serve (after --)")
     args = ap.parse_args()
     results: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
-            results["cold"].append(run_once(Path(tmp), args.extra))
-            results["warm"].append(run_once(Path(tmp), args.extra))
+            for kind in ("cold", "warm"):
+                log = args.log_dir / f"{kind}-{i + 1}.log" if args.log_dir else None
+                results[kind].append(run_once(Path(tmp), args.extra, log))
         print(f"run {i + 1}: cold {results['cold'][-1]}\n       warm {results['warm'][-1]}", flush=True)
     print("| start | ready s (median) | first request s | second request s | programs loaded | compiled before "
           "ready | compiled in first request |")

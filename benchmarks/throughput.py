@@ -82,6 +82,8 @@ def make_workload(dataset: str, num_prompts: int, *, max_model_len: int, seed: i
     elif dataset == "short":
         # Issue 15's held-out shape: prompts of 20-300 words (27-400 tokens at SmolLM2's ~1.33 tokens
         # per English word), outputs of 16-192 tokens, both uniform.
+        if max_model_len < 400 + 192:
+            raise ValueError(f"short dataset: requests reach 592 tokens, more than --max-model-len {max_model_len}")
         rng = np.random.default_rng(seed)
         input_lens = [int(x) for x in rng.integers(27, 401, num_prompts)]
         output_lens = [int(x) for x in rng.integers(16, 193, num_prompts)]
@@ -114,6 +116,8 @@ def bench_paxserve(prompts: list[list[int]], output_lens: list[int], *, runs: in
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
         engine.generate(prompts, params, use_tqdm=False)
         times, generated, peak_usage = [], [], 0.0
+        runner = engine.runner
+        padding_before = (getattr(runner, "tokens_run", 0), getattr(runner, "tokens_real", 0))
         preempt_before = engine.stats.preemptions
         for run in range(runs):
             engine.reset_prefix_cache()  # the same prompts again would otherwise be served from the cache
@@ -136,7 +140,11 @@ def bench_paxserve(prompts: list[list[int]], output_lens: list[int], *, runs: in
                 "input_tokens": in_tokens, "output_tokens": out_tokens, "seconds": seconds, "all_seconds": times,
                 **rates(len(prompts), in_tokens, out_tokens, seconds), "peak_kv_usage": peak_usage,
                 "preemptions": engine.stats.preemptions - preempt_before, "kv_blocks": engine.plan.num_blocks - 1,
-                "block_size": engine.plan.block_size, "buckets": len(engine.runner.compiled)}
+                "block_size": engine.plan.block_size, "buckets": len(engine.runner.compiled),
+                "async_scheduling": getattr(engine.core, "async_scheduling", None),
+                # Of the token slots the timed runs' forward steps computed, the share that was padding.
+                "padding_share": 1 - (getattr(runner, "tokens_real", 0) - padding_before[1]) /
+                max(1, getattr(runner, "tokens_run", 0) - padding_before[0])}
     finally:
         del engine
         gc.collect()
@@ -222,7 +230,9 @@ def bench_transformers(model: Any, prompts: list[list[int]], output_lens: list[i
 
 def _row_name(r: dict[str, Any]) -> str:
     if r["engine"] == "paxserve":
-        return f"paxserve (max_num_seqs={r['max_num_seqs']})"
+        mode = {True: ", async scheduling", False: ", synchronous scheduling"}.get(r.get("async_scheduling"), "") \
+            if r.get("show_mode") else ""
+        return f"paxserve (max_num_seqs={r['max_num_seqs']}{mode})"
     return f"transformers (static batching, batch size {r['best_batch_size']})"
 
 
@@ -234,7 +244,8 @@ def main_table(results: list[dict[str, Any]], num_prompts: int) -> str:
         which = str(n) if n == num_prompts else f"first {n} of {num_prompts}"
         if r["engine"] == "paxserve":
             notes = (f"KV {r['kv_blocks']} blocks x {r['block_size']}, peak usage {100 * r['peak_kv_usage']:.1f}%, "
-                     f"preemptions {r['preemptions']}, {r['buckets']} compiled buckets")
+                     f"preemptions {r['preemptions']}, {r['buckets']} compiled buckets, "
+                     f"{100 * r.get('padding_share', 0):.1f}% of token slots padding")
         else:
             notes = (f"generated {r['generated_tokens']} tokens for {r['output_tokens']} requested "
                      f"({100 * r['output_tokens'] / r['generated_tokens']:.1f}% useful); sweep "
@@ -332,6 +343,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep-runs", type=int, default=1, help="timed runs per sweep point (after a warm-up)")
     parser.add_argument("--hf-batch-sizes", type=_int_list, default=[8, 16, 32, 64])
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--other-scheduling", action="store_true",
+                        help="also run paxserve with the other scheduling mode than its default for this device "
+                             "(async vs synchronous), same workload")
     parser.add_argument("--log-stats-interval", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"),
@@ -360,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
 
     pax = bench_paxserve(prompts, output_lens, max_num_seqs=args.max_num_seqs, **pax_common)
+    other = None
+    if args.other_scheduling:
+        other = bench_paxserve(prompts, output_lens, max_num_seqs=args.max_num_seqs,
+                               **{**pax_common, "engine_args": {**(pax_common["engine_args"] or {}),
+                                                                "async_scheduling": not pax["async_scheduling"]}})
+        pax["show_mode"] = other["show_mode"] = True  # two rows of the same engine: name their modes
     single = None
     if not args.skip_single or 1 in args.concurrency_sweep:
         k = args.single_num_prompts or n
@@ -381,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     elapsed = time.perf_counter() - start
 
-    rows = [pax] + ([single] if single and not args.skip_single else []) + ([hf] if hf else [])
+    rows = [pax] + ([other] if other else []) + ([single] if single and not args.skip_single else []) + \
+        ([hf] if hf else [])
     print(f"\nmachine: {platform.machine()}, {platform.processor() or platform.system()}, Python "
           f"{platform.python_version()}; dataset {args.dataset} (seed {args.seed}): {wl['description']}")
     print(f"Workload: {describe_lengths(wl['input_lens'], output_lens)}. Median of {args.runs} timed runs after a "
@@ -389,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     print(main_table(rows, n) + "\n")
     for line in ratio_lines(pax, single if not args.skip_single else None, hf):
         print(line)
+    if other:
+        on, off = (pax, other) if pax["async_scheduling"] else (other, pax)
+        print(f"paxserve async / synchronous scheduling output throughput: "
+              f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x")
     if hf:
         print("\nStatic batching in arrival order (transformers), tokens generated vs requested:\n")
         print(static_batching_table(output_lens, args.hf_batch_sizes))
@@ -408,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                   "workload": {"dataset": args.dataset, "description": wl["description"],
                                "input_lens": wl["input_lens"], "output_lens": output_lens,
                                "input": length_summary(wl["input_lens"]), "output": length_summary(output_lens)},
-                  "paxserve": pax, "paxserve_single": single, "transformers": hf,
+                  "paxserve": pax, "paxserve_other_scheduling": other, "paxserve_single": single,
+                  "transformers": hf,
                   "ratios": ratio_lines(pax, single, hf),
                   "paxserve_over_transformers": pax["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None,
                   "paxserve_over_single": pax["output_tokens_per_s"] / single["output_tokens_per_s"] if single else None,

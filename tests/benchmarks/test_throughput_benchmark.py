@@ -58,6 +58,16 @@ def test_fixed_workload_keeps_the_flags() -> None:
         throughput.make_workload("alpaca", 2, max_model_len=100, seed=0)
 
 
+def test_short_workload_has_the_held_out_shape() -> None:
+    w = throughput.make_workload("short", 400, max_model_len=1024, seed=1)
+    assert w == throughput.make_workload("short", 400, max_model_len=1024, seed=1)
+    assert [len(p) for p in w["prompts"]] == w["input_lens"]
+    assert min(w["input_lens"]) >= 27 and max(w["input_lens"]) <= 400 and max(w["input_lens"]) > 350
+    assert min(w["output_lens"]) >= 16 and max(w["output_lens"]) <= 192 and max(w["output_lens"]) > 170
+    with pytest.raises(ValueError, match="max-model-len 512"):
+        throughput.make_workload("short", 2, max_model_len=512, seed=0)
+
+
 def test_static_batching_accounting() -> None:
     lens = [5, 1, 3, 7, 2]
     assert throughput.static_batches(lens, 2) == [(0, 2, 5), (2, 4, 7), (4, 5, 2)]
@@ -76,7 +86,7 @@ def _fake(engine: str, n: int, out_per_s: float, **extra) -> dict:
          "total_tokens_per_s": 2 * out_per_s, "seconds": 10.0, "all_seconds": [10.0, 11.0], "output_tokens": 100,
          **extra}
     if engine == "paxserve":
-        r.update(kv_blocks=100, block_size=16, peak_kv_usage=0.5, preemptions=0, buckets=3)
+        r.update(kv_blocks=100, block_size=16, peak_kv_usage=0.5, preemptions=0, buckets=3, padding_share=0.25)
     else:
         r.update(best_batch_size=8, generated_tokens=400, sweep_seconds={8: 10.0, 16: 12.0})
     return r
@@ -89,6 +99,7 @@ def test_report_tables_and_ratio_lines() -> None:
     table = throughput.main_table([pax, single, hf], 64)
     assert "| paxserve (max_num_seqs=256) | 64 | 6.40 | 300.0 |" in table
     assert "| paxserve (max_num_seqs=1) | first 16 of 64 |" in table
+    assert "3 compiled buckets, 25.0% of token slots padding" in table
     assert "transformers (static batching, batch size 8)" in table and "(25.0% useful)" in table
     lines = throughput.ratio_lines(pax, single, hf)
     assert lines[0] == "paxserve / transformers output throughput: 2.50x"
@@ -115,7 +126,7 @@ def test_whole_run_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture
                           "--max-model-len", "48", "--vocab-size", "256", "--kv-cache-memory-bytes", str(2**20),
                           "--runs", "1", "--hf-batch-sizes", "1,4", "--single-num-prompts", "2",
                           "--concurrency-sweep", "1,2", "--log-stats-interval", "0", "--out-dir", str(tmp_path),
-                          "--json", str(out_json)])
+                          "--other-scheduling", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
     report = json.loads(out_json.read_text())
@@ -123,6 +134,14 @@ def test_whole_run_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture
     assert report["paxserve"]["output_tokens"] == sum(lens) and report["paxserve"]["max_num_seqs"] == 256
     assert report["paxserve_single"]["num_prompts"] == 2 and report["paxserve_single"]["max_num_seqs"] == 1
     assert report["paxserve_single"]["output_tokens"] == sum(lens[:2])
+    # CPU: synchronous by default, so the other run is the async one.
+    assert report["paxserve"]["async_scheduling"] is False
+    assert report["paxserve_other_scheduling"]["async_scheduling"] is True
+    assert report["paxserve_other_scheduling"]["output_tokens"] == sum(lens)
+    assert 0 <= report["paxserve"]["padding_share"] < 1
+    assert "| paxserve (max_num_seqs=256, synchronous scheduling) | 4 |" in out
+    assert "| paxserve (max_num_seqs=256, async scheduling) | 4 |" in out
+    assert "paxserve async / synchronous scheduling output throughput: " in out
     hf = report["transformers"]
     assert hf["output_tokens"] == sum(lens)
     assert hf["sweep_generated_tokens"] == {"1": sum(lens), "4": 4 * max(lens)}
