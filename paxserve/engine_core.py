@@ -211,7 +211,6 @@ class EngineCore:
             if successor is not None:
                 self._abandon(successor)
             return self._fail_step(out, flight.registered, e, self._live(flight))
-        self.kv.commit(flight.registered)
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)

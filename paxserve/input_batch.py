@@ -40,8 +40,12 @@ class PreparedStep:
     # Each row's token list as it was: a row handed to another request since has a new list, and
     # the step's token must not land there.
     token_lists: list[list[int]]
-    keep: list[bool]  # the row samples its request's next token
-    token_index: list[int]  # where that token goes in its row's token ids (-1: not kept)
+    token_index: list[int]  # where the row's sampled token goes in its token ids (-1: not kept)
+
+    @property
+    def keep(self) -> list[bool]:
+        """Which rows sample their request's next token."""
+        return [index >= 0 for index in self.token_index]
 
 
 class InputBatch:
@@ -164,7 +168,7 @@ class InputBatch:
             if kept:
                 token_ids[row].append(PLACEHOLDER)
                 self.num_tokens[row] += 1
-        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], keep, token_index)
+        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], token_index)
 
     def record(self, step: PreparedStep, sampled_token_ids: list[int]) -> None:
         """Put each kept row's sampled token in place of its placeholder (rows whose request has

@@ -43,8 +43,9 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         # Blocks registered in the prefix cache for the step being scheduled: their KV exists only
-        # once that step has run, so they are committed after it or rolled back if it fails.
-        self._uncommitted: list[KVCacheBlock] = []
+        # once that step has run. Whoever runs the step takes them (`take_registered`) and rolls
+        # them back if it fails; if it runs, nothing more is needed.
+        self._registered: list[KVCacheBlock] = []
 
     @property
     def usage(self) -> float:
@@ -103,41 +104,34 @@ class KVCacheManager:
         if self.enable_caching:
             # Blocks that will be full once this step has run hold known tokens: register them now,
             # so a request scheduled after this one in the same step can share them (the step writes
-            # every token's KV before any attention reads it). Until commit() they are provisional:
-            # only requests of this step, or of steps queued behind it on the device, can have hit
-            # them, and they share its fate.
+            # every token's KV before any attention reads it). Until the step has run they are
+            # provisional: only requests of this step, or of steps queued behind it on the device,
+            # can have hit them, and they share its fate.
             num_full = min(total, request.num_tokens) // self.block_size
             hashes = self._hashes(request, num_full * self.block_size)
             for i in range(self._num_registered.get(request.request_id, 0), num_full):
                 if self.pool.cache_block(blocks[i], hashes[i]):
-                    self._uncommitted.append(blocks[i])
+                    self._registered.append(blocks[i])
             self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
         return True
 
     def take_registered(self) -> list[KVCacheBlock]:
         """The blocks registered since the last call: the scheduled step's, kept by whoever runs it
-        so that it can `commit` or `rollback` exactly those (steps may overlap)."""
-        taken, self._uncommitted = self._uncommitted, []
+        so that it can `rollback` exactly those if it fails (steps may overlap)."""
+        taken, self._registered = self._registered, []
         return taken
 
-    def commit(self, blocks: list[KVCacheBlock] | None = None) -> None:
-        """The step ran: the blocks it registered (`blocks`, or all pending) hold their KV for good."""
-        if blocks is None:
-            self._uncommitted.clear()
-
-    def rollback(self, blocks: list[KVCacheBlock] | None = None) -> None:
-        """The step failed: forget the registrations whose KV it never wrote (`blocks`, or all
-        pending), so that no later request is served a block of garbage."""
-        for block in self._uncommitted if blocks is None else blocks:
+    def rollback(self, blocks: list[KVCacheBlock]) -> None:
+        """A step failed: forget the registrations (`take_registered`) whose KV it never wrote, so
+        that no later request is served a block of garbage."""
+        for block in blocks:
             self.pool.uncache_block(block)
-        if blocks is None:
-            self._uncommitted.clear()
         self._num_registered.clear()  # the next step re-walks each request's blocks once
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the KV cache was recreated, or between benchmark runs)."""
         self.pool.reset_prefix_cache()
-        self._uncommitted.clear()
+        self._registered.clear()
         self._num_registered.clear()
 
     def free(self, request: Request) -> None:

@@ -205,6 +205,7 @@ class ModelRunner:
         if later:
             logger.info("compiling %d more decode-step programs in the background", len(later))
         return loaded, self.programs.num_compiled - compiled_before
+
     def build(self, chunks: list[SeqChunk]) -> Batch:
         """Pad a list of chunks to its own bucket (tests, tools; the engine's steps come from the
         persistent batch)."""
@@ -240,9 +241,7 @@ class ModelRunner:
         kind = "forward" if prompt is None else "all_logits"
         step = self.input_batch.prepare(out.scheduled, lambda t, s, b: self.buckets(t, s, b, kind))
         if constrained is not None:
-            bitmask = np.full((step.batch.context_lens.shape[0], constrained.words.shape[1]), -1, np.int32)
-            bitmask[constrained.rows] = constrained.words
-            step.sampling.allowed_token_bitmask = bitmask
+            step.sampling.allowed_token_bitmask = constrained.bitmask(step.batch.context_lens.shape[0])
         if prompt is not None:
             prompt = prompt.padded(step.batch.input_ids.shape[0])
         return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt))

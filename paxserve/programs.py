@@ -164,12 +164,7 @@ class Programs:
         if self._store is None:
             compiled = lower().compile()
         else:
-            compiled, storable = _compile_for_storing(lower())
-            if storable and self._devices[0].platform == "cpu" and jax.config.jax_compilation_cache_dir:
-                # Seen on XLA:CPU with JAX's persistent cache on: stored programs that failed when run
-                # ("Function wrapped_iota not found") although no cache hit was reported while they
-                # compiled. That cache already spares this process the compiles; store nothing.
-                storable = False
+            compiled, storable = _compile_for_storing(lower(), self._devices[0].platform)
             if storable:
                 self._save(key, compiled)
         with self._lock:
@@ -255,13 +250,17 @@ def _count_cache_hit(event: str, **kwargs: Any) -> None:
 jax.monitoring.register_event_listener(_count_cache_hit)
 
 
-def _compile_for_storing(lowered: Any) -> tuple[Any, bool]:
+def _compile_for_storing(lowered: Any, platform: str) -> tuple[Any, bool]:
     """(executable, whether it may be stored): only what XLA itself compiled is. On XLA:CPU (JAX
     0.10) an executable that JAX loaded from its own persistent cache serializes into a program
-    that fails when run ("Function wrapped_iota not found"); the engine leaves that cache off when
-    it keeps a program store, so this only happens where the embedding program turned it on."""
+    that fails when run ("Function wrapped_iota not found"), and programs compiled while that cache
+    was on were seen to fail the same way with no cache hit reported: on CPU nothing is stored
+    while it is configured (it spares this process the compiles anyway). The engine leaves that
+    cache off, so this only happens where the embedding program turned it on."""
     hits = _CACHE_HITS.count
     compiled = lowered.compile()
+    if platform == "cpu" and jax.config.jax_compilation_cache_dir:
+        return compiled, False
     return compiled, _CACHE_HITS.count == hits
 
 

@@ -131,6 +131,12 @@ class ConstrainedRows:
         if self.words.ndim != 2 or self.words.shape[0] != self.rows.shape[0]:
             raise ValueError(f"ConstrainedRows: {self.rows.shape[0]} rows but words of shape {self.words.shape}")
 
+    def bitmask(self, num_rows: int) -> np.ndarray:
+        """The step's whole [num_rows, ceil(V/32)] bitmask: these rows' words, all ones elsewhere."""
+        bitmask = np.full((num_rows, self.words.shape[1]), -1, np.int32)
+        bitmask[self.rows] = self.words
+        return bitmask
+
 
 def constrained_rows(matchers: list[tuple[int, Any]], vocab_size: int) -> ConstrainedRows | None:
     """Each (step row, llguidance matcher) pair's bitmask words; None when no row is constrained."""
@@ -281,12 +287,8 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
     for i, row in enumerate(rows):
         columns.set_row(i + 1, row.params, row.seed, row.state_row)
         index[i], step[i], keep[i] = i + 1, len(row.output_token_ids), row.keep
-    bitmask = None
     constrained = constrained_rows([(i, r.matcher) for i, r in enumerate(rows) if r.matcher is not None], vocab_size)
-    if constrained is not None:
-        bitmask = np.full((s, bitmask_width(vocab_size)), -1, np.int32)
-        bitmask[constrained.rows] = constrained.words
-    return columns.gather(index, step, keep, n, bitmask)
+    return columns.gather(index, step, keep, n, None if constrained is None else constrained.bitmask(s))
 
 
 def unpack(packed: np.ndarray, num_rows: int) -> SampledTokens:

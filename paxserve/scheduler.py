@@ -228,12 +228,14 @@ class Scheduler:
                            scheduled_for: list[Request | None] | None = None) -> list[Request]:
         """Turn each sampling row's placeholder into its token (partial prompt chunks keep nothing).
         A request that finished or was aborted while the step ran drops its token, even if a new
-        request took its id meanwhile (`scheduled_for`: the requests the step was scheduled for,
-        when it ran behind later schedules). Returns the requests finished by length or stop tokens."""
+        request took its id meanwhile (`scheduled_for`: each row's request if it is still unfinished,
+        else None, when the step ran behind later schedules). Returns the requests finished by
+        length or stop tokens."""
         finished = []
-        for i, (s, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
-            request = self.requests.get(s.request_id)
-            if not s.samples or request is None or (scheduled_for is not None and scheduled_for[i] is not request):
+        if scheduled_for is None:
+            scheduled_for = [self.requests.get(s.request_id) for s in out.scheduled]
+        for s, token, request in zip(out.scheduled, sampled, scheduled_for, strict=True):
+            if not s.samples or request is None:
                 continue
             request.num_output_placeholders -= 1
             status = request.append_output(token)

@@ -415,7 +415,7 @@ def test_rollback_forgets_only_the_registrations_of_the_failed_step():
 
     first = req("first", list(range(9)))
     assert kv.allocate_slots(first, 9)
-    kv.commit()  # that step ran: its two full blocks hold their KV
+    kv.take_registered()  # that step ran: its two full blocks hold their KV
     committed = dict(kv.pool.cached)
     assert len(committed) == 2
     second = req("second", list(range(100, 109)))
@@ -424,7 +424,7 @@ def test_rollback_forgets_only_the_registrations_of_the_failed_step():
     mate = req("mate", list(range(100, 110)))
     hits, num_hit = kv.get_computed_blocks(mate)
     assert num_hit == 8
-    kv.rollback()  # the step failed: the second request's blocks were never written
+    kv.rollback(kv.take_registered())  # the step failed: the second request's blocks were never written
     assert kv.pool.cached == committed
     assert kv.get_computed_blocks(req("later", list(range(100, 110))))[1] == 0
     assert kv.get_computed_blocks(req("again", list(range(9))))[1] == 8
