@@ -282,3 +282,30 @@ def test_param_cache_entries_appear_whole_when_written_twice_or_over_a_damaged_o
     assert not _load_gguf(path, "float32", cache, True)[3]  # damaged: converted again
     assert _load_gguf(path, "float32", cache, True)[3] and (entry / _COMPLETE).exists()
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
+    params_file = entry / "params.safetensors"  # a complete entry whose weights file was cut short
+    params_file.write_bytes(params_file.read_bytes()[: params_file.stat().st_size // 2])
+    reloaded, _, _, from_cache, _ = _load_gguf(path, "float32", cache, True)
+    assert not from_cache, "a truncated weights file was read"
+    assert _load_gguf(path, "float32", cache, True)[3], "the damaged entry was not replaced"
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(reloaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_param_cache_file_keeps_every_dtype_and_refuses_another_model(tmp_path: Path) -> None:
+    """The cache file holds bfloat16 (which safetensors' numpy side lacks) bit for bit, and reading it
+    for a model whose params differ in shape fails instead of handing back wrong weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.loader import _read_params, _write_params
+
+    params = {"embed": jnp.linspace(-3, 3, 12, dtype=jnp.bfloat16).reshape(3, 4),
+              "layers": [jnp.full((2,), 0.1, jnp.float16), jnp.arange(5, dtype=jnp.float32)]}
+    _write_params(tmp_path / "p.safetensors", params)
+    back = _read_params(tmp_path / "p.safetensors", jax.eval_shape(lambda: params))
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(back)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = {**params, "embed": jax.ShapeDtypeStruct((4, 3), jnp.bfloat16)}
+    with pytest.raises(ValueError, match=r"\['embed'\] is bfloat16\[3, 4\], the model needs bfloat16\[4, 3\]"):
+        _read_params(tmp_path / "p.safetensors", jax.eval_shape(lambda: other))
