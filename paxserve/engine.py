@@ -28,7 +28,7 @@ from paxserve.generation_config import GENERATION_CONFIG_MODES, resolve_sampling
 from paxserve.input_processor import InputProcessor, Prompt
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.memory import plan_kv_cache
-from paxserve.model_runner import ModelRunner
+from paxserve.model_runner import ModelRunner, zero_kv_cache
 from paxserve.output_processor import OutputProcessor
 from paxserve.outputs import RequestOutput
 from paxserve.sampler import SamplerState
@@ -111,6 +111,9 @@ class Engine:
         self.plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes,
                                   activation_bytes, num_devices=1 if tp is None else tp.size,
                                   sampler_state_bytes=sampler_bytes)
+        # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU).
+        kv_zeroing = zero_kv_cache(local_cfg, self.plan.num_blocks, config.block_size, info.dtype) \
+            if tp is None else None
         self.model = load_model(model, config.dtype, tokenizer=config.tokenizer,
                                 tensor_parallel_size=config.tensor_parallel_size,
                                 enable_expert_parallel=config.enable_expert_parallel)
@@ -131,7 +134,8 @@ class Engine:
                                                                       cache_root() / "programs")
         self.runner = ModelRunner(self.model, self.plan.num_blocks, config.block_size, self.max_model_len,
                                   attention_backend=self.attention_backend, max_num_seqs=config.max_num_seqs,
-                                  program_store=store, background_compile=config.compile_in_background)
+                                  program_store=store, background_compile=config.compile_in_background,
+                                  kv_cache=None if kv_zeroing is None else kv_zeroing.result())
         self.stats = StatsLogger(config.log_stats_interval)
         async_scheduling = config.async_scheduling
         platform = jax.devices()[0].platform

@@ -12,6 +12,7 @@ contexts and batches have the next bucket compiled before they reach it.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from models.config import ModelConfig
 from models.loader import LoadedModel
 from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
 from paxserve.input_batch import InputBatch, PreparedStep
@@ -66,16 +68,33 @@ class DeviceStep:
     num_prompt_positions: int | None  # padded token positions scored, for a prompt-logprobs step
 
 
+def zero_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: np.dtype) -> Future[KVCache]:
+    """A single-device KV cache zeroed on threads, K and V each on its own. Zeroing touches every page
+    of a cache of GiBs (1.3-2.5 s for 4 GiB on the 2-core CPU, mostly page faults), which this way runs
+    beside the weights' loading; JAX releases the GIL while it fills a buffer."""
+    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+    pool = ThreadPoolExecutor(2, thread_name_prefix="paxserve-kv-zero")
+    k, v = (pool.submit(jnp.zeros, shape, jnp.dtype(dtype)) for _ in range(2))
+    future = pool.submit(lambda: KVCache(k=k.result(), v=v.result()))
+    pool.shutdown(wait=False)
+    return future
+
+
 class ModelRunner:
     """Params + KV cache + sampler state + persistent batch + compiled programs. The cache and the
     state are donated to every step and replaced by its outputs, so XLA updates them in place.
 
     `program_store`: a directory for compiled programs (None: compile in this process only);
-    `background_compile`: compile a missing bucket off the step thread while a covering one serves."""
+    `background_compile`: compile a missing bucket off the step thread while a covering one serves;
+    `kv_cache`: a zeroed cache made beforehand (`zero_kv_cache`, while the weights loaded), else one
+    is made here."""
 
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None,
                  attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256,
-                 program_store: Path | None = None, background_compile: bool = False) -> None:
+                 program_store: Path | None = None, background_compile: bool = False,
+                 kv_cache: KVCache | None = None) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
@@ -89,7 +108,7 @@ class ModelRunner:
         # Row 0 is the all-zero row of requests without state; each running request may hold one more.
         self.num_state_rows = max_num_seqs + 1
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, cfg.vocab_size)
-        self.kv_cache = self._new_kv_cache()
+        self.kv_cache = self._new_kv_cache() if kv_cache is None else self._checked_kv_cache(kv_cache)
         self.sampler_state = self._new_sampler_state()
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
                                  self.num_state_rows, attention_backend, model.tp)
@@ -114,6 +133,18 @@ class ModelRunner:
                                      cfg.head_dim, jnp.dtype(self.model.dtype))
         return jax.jit(make, out_shardings=KVCache(k=tp.kv_sharding, v=tp.kv_sharding))()
 
+    def _checked_kv_cache(self, kv_cache: KVCache) -> KVCache:
+        cfg = self.model.config
+        if self.model.tp is not None:
+            raise ValueError("a KV cache made beforehand is only taken without tensor parallelism")
+        shape = (cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = jnp.dtype(self.model.dtype)
+        for name, leaf in (("k", kv_cache.k), ("v", kv_cache.v)):
+            if leaf.shape != shape or leaf.dtype != dtype:
+                raise ValueError(f"kv_cache.{name} must be {dtype.name}{list(shape)} for this model and plan, "
+                                 f"got {leaf.dtype.name}{list(leaf.shape)}")
+        return kv_cache
+
     def _new_sampler_state(self) -> SamplerState:
         make = lambda: SamplerState.zeros(self.num_state_rows, self.model.config.vocab_size)  # noqa: E731
         tp = self.model.tp
@@ -122,7 +153,7 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+        return self._num_blocks
 
     def kv_cache_intact(self) -> bool:
         """Whether the cache and the sampler state still exist and hold a value: a step they were

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -47,6 +48,25 @@ def wait_freed(server, timeout: float = 5.0) -> None:
 def test_listening_line_is_logged_on_stderr(server) -> None:
     assert server.listening_stream == "stderr", \
         f"'paxserve listening on {server.url}' must be logged on stderr, it came on {server.listening_stream}"
+
+
+def test_server_restarts_itself_once_with_huge_pages_for_its_kv_cache(server) -> None:
+    """Where the kernel gives huge pages only to memory that asks (madvise), `paxserve serve` restarts
+    itself (same PID) with glibc's tunable so its KV cache faults in 2 MiB pages, and says so."""
+    from paxserve.huge_pages import thp_mode
+
+    environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
+    tunables = [e.decode() for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
+    log = server.stderr_text()
+    if thp_mode() == "madvise":
+        assert tunables == ["GLIBC_TUNABLES=glibc.malloc.hugetlb=1"], tunables
+        assert "large host buffers (the CPU KV cache) use transparent huge pages" in log
+        rollup = Path(f"/proc/{server.proc.pid}/smaps_rollup").read_text()
+        huge_kib = int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("AnonHugePages:")))
+        assert huge_kib >= 64 * 1024, f"only {huge_kib} KiB in huge pages"
+    else:
+        assert not tunables and "memory:" in log
+    assert log.count("paxserve listening on") == 1
 
 
 # ---- load ------------------------------------------------------------------------------------------
