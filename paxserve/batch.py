@@ -58,6 +58,30 @@ def next_power_of_2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+# The smallest size with a bucket between two powers of two: below it the padding is a few rows.
+FINE_FROM = 24
+
+
+def bucket_size(n: int, fine: bool = False) -> int:
+    """`n` rounded up to its compile bucket: the next power of two or, with `fine`, also three
+    quarters of one from 24 up (24, 32, 48, 64, 96, 128, ...), which caps the padding at a third of
+    the bucket instead of a half, for twice the programs."""
+    p = next_power_of_2(n)
+    if fine and n <= p * 3 // 4 and p * 3 // 4 >= FINE_FROM:
+        return p * 3 // 4
+    return p
+
+
+def bucket_sizes(top: int, fine: bool = False) -> list[int]:
+    """Every bucket from 1 up to `top`'s own, ascending."""
+    sizes, n = [], 1
+    while True:
+        sizes.append(bucket_size(n, fine))
+        if sizes[-1] >= bucket_size(top, fine):
+            return sizes
+        n = sizes[-1] + 1
+
+
 def build_batch(
     chunks: list[SeqChunk],
     block_size: int,

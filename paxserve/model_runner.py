@@ -1,9 +1,10 @@
 """Runs the engine's steps on the device: owns the KV cache, the sampler's per-request state, the
 persistent batch and the compiled step programs.
 
-Shapes are bucketed to powers of two (tokens x sequences x block-table width), and those three are
-the only compile keys of the forward (the sampler's is the sequence bucket alone): every sampler
-feature is runtime data (see `sampling_metadata`). Programs are compiled ahead of time and stored
+Shapes are bucketed (tokens x sequences x block-table width: powers of two, on a CPU also three
+quarters of one for tokens and sequences), and those three are the only compile keys of the forward
+(the sampler's is the sequence bucket alone): every sampler feature is runtime data (see
+`sampling_metadata`). Programs are compiled ahead of time and stored
 (`programs`); a step whose bucket is not compiled yet runs in a compiled bucket that covers it, if
 one costs at most `_COVER_COST` times as much, while its own compiles in the background; growing
 contexts and batches have the next bucket compiled before they reach it.
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from models.loader import LoadedModel
-from paxserve.batch import Batch, SeqChunk, build_batch, next_power_of_2
+from paxserve.batch import Batch, SeqChunk, bucket_size, bucket_sizes, build_batch, next_power_of_2
 from paxserve.input_batch import InputBatch, PreparedStep
 from paxserve.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.prompt_logprobs import PROMPT_PACKED_WIDTH, PromptLogprobsInputs
@@ -103,6 +104,11 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.attention_backend = attention_backend  # static argument of every program
+        # Buckets between powers of two (`bucket_size`) where a padded row costs its full share of the
+        # step: on a CPU the step is compute-bound (measured in benchmarks/RESULTS.md). On a GPU a decode
+        # step is bound by reading weights and KV, so padded rows cost little, and the Triton kernel
+        # takes the step's tokens as one block, which Triton needs to be a power of two.
+        self.fine_buckets = attention_backend.name == "reference" and jax.devices()[0].platform == "cpu"
         self.max_blocks_per_seq = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
         self._num_blocks = num_blocks
         # Row 0 is the all-zero row of requests without state; each running request may hold one more.
@@ -181,9 +187,9 @@ class ModelRunner:
     # ---- buckets and programs ----------------------------------------------------------------------
 
     def exact_buckets(self, num_tokens: int, num_seqs: int, widest: int) -> tuple[int, int, int]:
-        """A step's own padded sizes: powers of two in tokens, sequences and block-table width (the
-        width capped at what one sequence may hold)."""
-        return (next_power_of_2(num_tokens), next_power_of_2(num_seqs),
+        """A step's own padded sizes: `bucket_size` in tokens and sequences, a power of two in
+        block-table width (capped at what one sequence may hold)."""
+        return (bucket_size(num_tokens, self.fine_buckets), bucket_size(num_seqs, self.fine_buckets),
                 min(next_power_of_2(widest), max(widest, self.max_blocks_per_seq)))
 
     def buckets(self, num_tokens: int, num_seqs: int, widest: int, kind: str = "forward") -> tuple[int, int, int]:
@@ -211,9 +217,10 @@ class ModelRunner:
         t, s, b = exact
         if b < self.max_blocks_per_seq:
             self.programs.compile_later((kind, t, s, min(2 * b, self.max_blocks_per_seq)))
-        if t == s and 2 * s <= self.num_state_rows - 1:  # a decode step: one token per sequence
-            self.programs.compile_later((kind, 2 * t, 2 * s, b))
-            self.programs.compile_later(("sample", 2 * s))
+        if t == s and s < self.num_state_rows - 1:  # a decode step, and more sequences may come
+            grown = bucket_size(s + 1, self.fine_buckets)
+            self.programs.compile_later((kind, grown, grown, b))
+            self.programs.compile_later(("sample", grown))
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
         """Load every stored program, then have the decode step of every batch-size bucket (block
@@ -222,8 +229,8 @@ class ModelRunner:
         Returns (programs loaded, programs compiled now)."""
         loaded = self.programs.load_stored()
         compiled_before = self.programs.num_compiled
-        top = min(next_power_of_2(max_num_seqs), next_power_of_2(max_num_batched_tokens))
-        keys = [key for s in (1 << i for i in range(top.bit_length())) for key in (("forward", s, s, 1), ("sample", s))]
+        sizes = bucket_sizes(min(max_num_seqs, max_num_batched_tokens), self.fine_buckets)
+        keys = [key for s in sizes for key in (("forward", s, s, 1), ("sample", s))]
         missing = [key for key in keys if key not in self.programs]
         # With background compiles only the single-sequence step is worth waiting for (the first
         # request needs it); a larger bucket missing from the store is covered meanwhile.

@@ -136,3 +136,15 @@ def test_padding_equal_to_batch_is_fine() -> None:
 )
 def test_next_power_of_2(n: int, minimum: int, expected: int) -> None:
     assert next_power_of_2(n, minimum) == expected
+
+
+def test_fine_buckets_cap_padding_at_a_third_and_stay_powers_of_two_otherwise() -> None:
+    from paxserve.batch import bucket_size, bucket_sizes
+
+    for n in range(1, 5000):
+        coarse, fine = bucket_size(n), bucket_size(n, fine=True)
+        assert coarse == next_power_of_2(n) and n <= fine <= coarse
+        if n > 16:
+            assert (fine - n) / fine < 1 / 3 + 1e-9, (n, fine)
+    assert bucket_sizes(256, fine=True) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert bucket_sizes(200, fine=True)[-1] == 256 and bucket_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 128]
