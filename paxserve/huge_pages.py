@@ -55,14 +55,17 @@ def huge_pages_env(environ: Mapping[str, str], libc: tuple[str, str], mode: str 
 def restart_with_huge_pages() -> None:
     """Replace this process (same PID, same arguments and streams) with one whose malloc asks for
     huge pages, when that changes anything (see `huge_pages_env`); else return."""
-    if not sys.platform.startswith("linux"):
-        return
+    if not sys.platform.startswith("linux") or not sys.executable or not sys.orig_argv:
+        return  # an embedded interpreter cannot be started again; it runs on with 4 KiB pages
     env = huge_pages_env(os.environ, platform.libc_ver(), thp_mode())
     if env is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, env)
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError:
+        pass  # not allowed here (a sandbox, a deleted interpreter): serve as is; `describe` logs the pages
 
 
 def describe() -> str:

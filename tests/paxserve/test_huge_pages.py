@@ -35,3 +35,21 @@ def test_reads_the_kernel_mode(tmp_path: Path, text: str, mode: str | None) -> N
     (tmp_path / "enabled").write_text(text)
     assert thp_mode(tmp_path / "enabled") == mode
     assert thp_mode(tmp_path / "missing") is None
+
+
+def test_a_restart_that_cannot_happen_leaves_the_command_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    import paxserve.huge_pages as huge_pages
+
+    calls = []
+
+    def refuse(*args: object) -> None:
+        calls.append(args)
+        raise PermissionError("exec not allowed here")
+
+    monkeypatch.setattr(huge_pages.sys, "platform", "linux")
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(huge_pages.platform, "libc_ver", lambda: GLIBC)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(huge_pages.os, "execve", refuse)
+    huge_pages.restart_with_huge_pages()  # returns instead of raising
+    assert len(calls) == 1 and calls[0][2]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
