@@ -26,11 +26,17 @@ class KVCache:
     def block_size(self) -> int:
         return self.k.shape[2]
 
+    @staticmethod
+    def array_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+              head_dim: int) -> tuple[int, int, int, int, int]:
+        """The shape of K (and of V); ValueError when there is no block besides the null block."""
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        return (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+
     @classmethod
     def zeros(
         cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
     ) -> "KVCache":
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = cls.array_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

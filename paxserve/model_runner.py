@@ -73,9 +73,7 @@ def zero_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: np.
     """A single-device KV cache zeroed on threads, K and V each on its own. Zeroing touches every page
     of a cache of GiBs (1.3-2.5 s for 4 GiB on the 2-core CPU, mostly page faults), which this way runs
     beside the weights' loading; JAX releases the GIL while it fills a buffer."""
-    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    if num_blocks < 2:
-        raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+    shape = KVCache.array_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     pool = ThreadPoolExecutor(2, thread_name_prefix="paxserve-kv-zero")
     k, v = (pool.submit(jnp.zeros, shape, jnp.dtype(dtype)) for _ in range(2))
     future = pool.submit(lambda: KVCache(k=k.result(), v=v.result()))
@@ -143,7 +141,7 @@ class ModelRunner:
         cfg = self.model.config
         if self.model.tp is not None:
             raise ValueError("a KV cache made beforehand is only taken without tensor parallelism")
-        shape = (cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = KVCache.array_shape(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = jnp.dtype(self.model.dtype)
         for name, leaf in (("k", kv_cache.k), ("v", kv_cache.v)):
             if leaf.shape != shape or leaf.dtype != dtype:
