@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from paxserve import huge_pages
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS
 
@@ -370,20 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     """The `paxserve` command. Given no `argv` it is this process's own command line, which an engine
     command restarts once with huge pages for its large buffers (`paxserve.huge_pages`)."""
     args = build_parser().parse_args(argv)
-    if argv is None and args.command in ("serve", "generate"):
-        from paxserve.huge_pages import restart_with_huge_pages
-
-        restart_with_huge_pages()
+    runs_an_engine = args.command in ("serve", "generate")
+    if argv is None and runs_an_engine:
+        huge_pages.restart_with_huge_pages()
     # paxserve never uses torch; transformers' import-time advice that it is missing only confuses.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("absl", "jax._src.xla_bridge", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if args.command in ("serve", "generate"):
-        from paxserve.huge_pages import describe
-
-        logging.getLogger("paxserve.huge_pages").info("%s", describe())
+    if runs_an_engine:
+        logging.getLogger(huge_pages.__name__).info("%s", huge_pages.describe())
     try:
         check_model_source_flags(args)
         if args.command == "generate":
