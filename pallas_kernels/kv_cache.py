@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from flax import struct
 from jaxtyping import Array, Float
 
+from pallas_kernels.pytree import pytree_dataclass
 
-@struct.dataclass
+
+@pytree_dataclass
 class KVCache:
     """K and V pages for all layers: `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
 

@@ -10,8 +10,9 @@ context length 0; padding tokens write to the reserved null block 0, which nothi
 from __future__ import annotations
 
 import jax.numpy as jnp
-from flax import struct
 from jaxtyping import Array, Int
+
+from pallas_kernels.pytree import pytree_dataclass
 
 NULL_BLOCK = 0
 # A sliding window that hides nothing, for the global layers of a windowed model whose per-layer
@@ -20,7 +21,7 @@ NULL_BLOCK = 0
 NO_WINDOW = 2**30
 
 
-@struct.dataclass
+@pytree_dataclass
 class AttentionMetadata:
     """Explicit pytree of int32 arrays passed to every jitted step (never a global)."""
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The Mosaic GPU kernel lane of the README's test command: Python 3.12 + JAX 0.11.2 (the GPU image's
+# versions, CPU wheel), where `plgpu.InterpretGPUParams` can run Hopper kernels on this CPU. It makes
+# its own virtual environment (.venv-mosaic, reused when already right) and fails, never skips, when
+# it cannot: no Python 3.12, no JAX 0.11.2, or any test failing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+JAX_VERSION=0.11.2
+PY=.venv-mosaic/bin/python
+if ! "$PY" -c "import jax, sys; sys.exit(jax.__version__ != '$JAX_VERSION')" 2>/dev/null; then
+    if ! PYENV_VERSION=3.12.1 python3.12 -c "" 2>/dev/null; then
+        echo "mosaic lane: Python 3.12 is needed (PYENV_VERSION=3.12.1 python3.12) and was not found" >&2
+        exit 1
+    fi
+    rm -rf .venv-mosaic
+    PYENV_VERSION=3.12.1 python3.12 -m venv .venv-mosaic
+    # Only what the kernels and their tests import: the kernels need JAX alone.
+    .venv-mosaic/bin/pip install -q --no-compile "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" numpy ml_dtypes \
+        jaxtyping absl-py pytest
+fi
+# --confcutdir: the main suite's conftest (Python 3.11 engine tests) is not this lane's.
+exec "$PY" -m pytest -p no:cacheprovider --confcutdir=tests/mosaic_gpu tests/mosaic_gpu "$@"
