@@ -6,6 +6,11 @@ from pallas_kernels.metadata import NO_WINDOW, NULL_BLOCK, AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference, write_kv_reference
 from pallas_kernels.ragged_paged_attention import RaggedPagedAttentionConfig, ragged_paged_attention
 from pallas_kernels.paged_attention import PagedDecodeAttentionConfig, paged_decode_attention
+from pallas_kernels.mosaic_attention import (
+    MosaicAttentionConfig,
+    mosaic_paged_decode_attention,
+    mosaic_ragged_paged_attention,
+)
 from pallas_kernels.dispatch import (  # noqa: I001 (after the kernels it dispatches to)
     ATTENTION_BACKEND_OPTIONS,
     REFERENCE,
@@ -23,10 +28,13 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVCache",
+    "MosaicAttentionConfig",
     "PagedDecodeAttentionConfig",
     "RaggedPagedAttentionConfig",
     "alibi_slopes",
     "attention",
+    "mosaic_paged_decode_attention",
+    "mosaic_ragged_paged_attention",
     "paged_decode_attention",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",

@@ -1,10 +1,11 @@
-"""Attention backend dispatch: the Pallas kernel on GPU, the XLA reference on CPU.
+"""Attention backend dispatch: Mosaic GPU on Hopper, Triton on older GPUs, the XLA reference elsewhere.
 
 The choice is a static, hashable `AttentionBackend` that the model's jitted forward takes as a
 static argument (no globals, no environment variables). `resolve_attention_backend` turns the
-engine option ("auto", "pallas", "reference") into one, from the platform and the model's shapes;
-on a GPU it runs the kernel once against the reference first (`self_check.py`) and falls back to the
-reference if the kernel fails to compile or disagrees.
+engine option ("auto", "mosaic", "triton", "reference"; "pallas" is the earlier name of "triton")
+into one, from the platform, the GPU's compute capability and the model's shapes; on a GPU it runs
+the chosen kernel once against the reference first (`self_check.py`) and falls back (Mosaic GPU to
+Triton to the reference) if a kernel fails to compile or disagrees.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention_args import Window
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.mosaic_attention import (
+    MosaicAttentionConfig,
+    mosaic_ragged_paged_attention,
+    supports_mosaic_attention,
+)
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import (
     RaggedPagedAttentionConfig,
@@ -29,26 +35,33 @@ from pallas_kernels.self_check import self_check_attention
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKEND_OPTIONS = ("auto", "pallas", "reference")
+ATTENTION_BACKEND_OPTIONS = ("auto", "mosaic", "triton", "pallas", "reference")
+_ALIASES = {"pallas": "triton"}
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_KERNELS = ("mosaic", "triton")
+_LABEL = {"mosaic": "Mosaic GPU kernel", "triton": "Triton kernel"}
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     """Which attention implementation the model runs.
 
-    name: "pallas" (the Triton kernel) or "reference" (pure jnp / XLA).
-    interpret: run the Pallas kernel with the Pallas interpreter (CPU tests; slow).
-    config: the Pallas kernel's tuning knobs.
+    name: "mosaic" (Pallas on Mosaic GPU: Hopper's TMA and wgmma), "triton" (Pallas on Triton;
+      "pallas", its earlier name, is accepted and stored as "triton") or "reference" (pure jnp / XLA).
+    interpret: run the kernel in its interpret mode on a CPU (tests; slow). Mosaic GPU's needs
+      JAX >= 0.11.2.
+    config, mosaic_config: the Triton and the Mosaic GPU kernel's tuning knobs.
     """
 
     name: str = "reference"
     interpret: bool = False
     config: RaggedPagedAttentionConfig = field(default_factory=RaggedPagedAttentionConfig)
+    mosaic_config: MosaicAttentionConfig = field(default_factory=MosaicAttentionConfig)
 
     def __post_init__(self) -> None:
-        if self.name not in ("pallas", "reference"):
-            raise ValueError(f"AttentionBackend.name must be 'pallas' or 'reference', got {self.name!r}")
+        object.__setattr__(self, "name", _ALIASES.get(self.name, self.name))
+        if self.name not in (*_KERNELS, "reference"):
+            raise ValueError(f"AttentionBackend.name must be 'mosaic', 'triton' or 'reference', got {self.name!r}")
 
 
 REFERENCE = AttentionBackend("reference")
@@ -74,7 +87,12 @@ def attention(
     alibi_slopes: None or float32 [num_heads] (`alibi_slopes(num_heads)` gives Falcon's), added as
       `slope[h] * (key position - query position)` to q.k before `sm_scale`.
     """
-    if backend.name == "pallas":
+    if backend.name == "mosaic":
+        return mosaic_ragged_paged_attention(
+            q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap, alibi_slopes=alibi_slopes, config=backend.mosaic_config, interpret=backend.interpret,
+        )
+    if backend.name == "triton":
         return ragged_paged_attention(
             q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap, alibi_slopes=alibi_slopes, config=backend.config, interpret=backend.interpret,
@@ -83,6 +101,26 @@ def attention(
         q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         alibi_slopes=alibi_slopes,
     )
+
+
+def supports(kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+             dtype: jnp.dtype) -> str | None:
+    """None if `kernel` ("mosaic" or "triton") serves these shapes, else the reason it does not."""
+    check = supports_mosaic_attention if kernel == "mosaic" else supports_ragged_paged_attention
+    return check(num_heads, num_kv_heads, head_dim, block_size, dtype)
+
+
+def _mosaic_interpret_available() -> bool:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return hasattr(plgpu, "InterpretGPUParams")
+
+
+def _is_hopper_or_newer(compute_capability: str | None) -> bool:
+    try:
+        return compute_capability is not None and int(str(compute_capability).split(".")[0]) >= 9
+    except ValueError:
+        return False
 
 
 def resolve_attention_backend(
@@ -97,19 +135,22 @@ def resolve_attention_backend(
     self_check: Callable[..., str | None] | None = self_check_attention,
     sliding_window: int | None = None,
     alibi: bool = False,
+    compute_capability: str | None = None,
 ) -> AttentionBackend:
     """The backend for an engine option on a platform (`jax.devices()[0].platform`).
 
-    "auto": Pallas on a GPU when the kernel supports the model's shapes and passes its self-check,
-      else the reference.
-    "pallas": the kernel, or a ValueError naming what it does not support or why it failed its
-      self-check; on a CPU it can only run in interpret mode (slow, for tests), which is what it
-      then does.
+    "auto": on an NVIDIA GPU of compute capability 9.0 or more (`compute_capability`, e.g. "9.0"),
+      Mosaic GPU; on older NVIDIA GPUs (or an unknown capability) and ROCm, Triton. A kernel that does
+      not serve the model's shapes or fails its self-check hands over to the next (Mosaic GPU,
+      then Triton), and the XLA reference serves when none is left. The reference on a CPU.
+    "mosaic", "triton" ("pallas"): that kernel, or a ValueError naming what it does not support or
+      why it failed its self-check; on a CPU it can only run in interpret mode (slow, for tests),
+      which is what it then does (Mosaic GPU's needs JAX >= 0.11.2).
     "reference": the XLA reference everywhere.
 
-    self_check: called once as `self_check(backend, num_heads=..., num_kv_heads=..., head_dim=...,
-      block_size=..., dtype=...)` when the Pallas kernel is chosen for a GPU (never for interpret
-      mode); returns None if the kernel works, else the reason it does not. None skips the check.
+    self_check: called once per kernel tried on a GPU as `self_check(backend, num_heads=...,
+      num_kv_heads=..., head_dim=..., block_size=..., dtype=...)` (never for interpret mode); returns
+      None if the kernel works, else the reason it does not. None skips the check.
     sliding_window, alibi: the model's attention variants (its largest window, whether it uses
       ALiBi); when given they are passed on to `self_check` as keyword arguments of the same names
       so the kernel is also checked on them (left out when not given, so a `self_check` that does
@@ -117,46 +158,67 @@ def resolve_attention_backend(
     """
     if option not in ATTENTION_BACKEND_OPTIONS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_OPTIONS)}, got {option!r}")
+    option = _ALIASES.get(option, option)
     if option == "reference":
         return REFERENCE
-    reason = supports_ragged_paged_attention(num_heads, num_kv_heads, head_dim, block_size, dtype)
+    shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                  dtype=dtype)
     on_gpu = platform.lower() in _GPU_PLATFORMS
     if option == "auto":
         if not on_gpu:
             return REFERENCE
+        hopper = platform.lower() != "rocm" and _is_hopper_or_newer(compute_capability)
+        candidates = ["mosaic", "triton"] if hopper else ["triton"]
+        logger.info("attention: %s (compute capability %s): trying %s", platform, compute_capability or "unknown",
+                    ", then ".join(_LABEL[c] for c in candidates))
+    else:
+        reason = supports(option, **shapes)
         if reason:
-            logger.warning("attention: the Pallas kernel does not support this model (%s); using the XLA reference",
-                           reason)
-            return REFERENCE
-    elif reason:
-        raise ValueError(f"attention_backend='pallas' cannot serve this model: {reason}")
-    elif not on_gpu:
-        logger.warning("attention: Pallas on %s runs in interpret mode (slow; meant for tests)", platform)
-        return AttentionBackend("pallas", interpret=True)
-    backend = AttentionBackend("pallas")
-    if self_check is None:
-        logger.info("attention: using the Pallas kernel on %s without a start-up self-check (none requested)",
-                    platform)
-        return backend
-    shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                  dtype=dtype)
+            raise ValueError(f"attention_backend={option!r} cannot serve this model: {reason}")
+        if not on_gpu:
+            if option == "mosaic" and not _mosaic_interpret_available():
+                import jax
+
+                raise ValueError(f"attention_backend='mosaic' on {platform} runs in Mosaic GPU's interpret mode, "
+                                 f"which needs JAX >= 0.11.2 (this is JAX {jax.__version__})")
+            logger.warning("attention: the %s on %s runs in interpret mode (slow; meant for tests)",
+                           _LABEL[option], platform)
+            return AttentionBackend(option, interpret=True)
+        candidates = [option]
     if sliding_window is not None:
         shapes["sliding_window"] = sliding_window
     if alibi:
         shapes["alibi"] = True
+    for kernel in candidates:
+        reason = supports(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype)
+        if reason:
+            logger.warning("attention: the %s does not support this model (%s)", _LABEL[kernel], reason)
+            continue
+        backend = AttentionBackend(kernel)
+        failure = _run_self_check(self_check, backend, platform, shapes)
+        if failure is None:
+            return backend
+        if option != "auto":
+            raise ValueError(f"attention_backend={option!r}: the {_LABEL[kernel]} failed its start-up self-check "
+                             f"on {platform} ({failure})")
+        logger.warning("attention: the %s failed its start-up self-check on %s (%s)", _LABEL[kernel], platform,
+                       failure)
+    logger.warning("attention: no Pallas kernel serves this model here; using the XLA reference")
+    return REFERENCE
+
+
+def _run_self_check(self_check: Callable[..., str | None] | None, backend: AttentionBackend, platform: str,
+                    shapes: dict) -> str | None:
+    label = _LABEL[backend.name]
+    if self_check is None:
+        logger.info("attention: using the %s on %s without a start-up self-check (none requested)", label, platform)
+        return None
     start = time.perf_counter()
     try:
         failure = self_check(backend, **shapes)
     except Exception as error:  # noqa: BLE001 - a check that raises has failed, it must not stop start-up
         failure = f"the self-check raised {type(error).__name__}: {error}"
-    elapsed_ms = (time.perf_counter() - start) * 1e3
     if failure is None:
-        logger.info("attention: the Pallas kernel passed its start-up self-check against the XLA reference "
-                    "in %.0f ms; using it", elapsed_ms)
-        return backend
-    if option == "pallas":
-        raise ValueError(f"attention_backend='pallas': the Pallas kernel failed its start-up self-check on "
-                         f"{platform} ({failure})")
-    logger.warning("attention: the Pallas kernel failed its start-up self-check on %s (%s); using the XLA "
-                   "reference instead", platform, failure)
-    return REFERENCE
+        logger.info("attention: the %s passed its start-up self-check against the XLA reference in %.0f ms; "
+                    "using it", label, (time.perf_counter() - start) * 1e3)
+    return failure

@@ -277,9 +277,12 @@ def check_model_source_flags(args: argparse.Namespace) -> None:
 
 
 def _add_attention_backend(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"],
-                        help="paged-attention implementation: auto = Pallas kernels on GPU, the XLA reference "
-                             "on CPU; pallas (interpret mode on CPU, slow: for testing); reference")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "mosaic", "triton", "pallas", "reference"],
+                        help="paged-attention implementation: auto = the Mosaic GPU kernel on Hopper (compute "
+                             "capability 9.0+), the Triton kernel on older GPUs and ROCm, each checked at start "
+                             "with a fallback, the XLA reference on CPU; mosaic or triton (pallas: the earlier "
+                             "name of triton) force a kernel (interpret mode on CPU, slow: for testing); reference")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ from typing import Literal
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the Pallas kernel on a GPU, the XLA reference on CPU (see pallas_kernels/dispatch.py).
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "mosaic", "triton", "pallas", "reference")
 # With no GPU, the KV cache lives in host memory; like vLLM's CPU backend, take a fixed budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
 
@@ -50,7 +50,7 @@ class EngineConfig:
     # off on CPU, whose "device" is the host's own cores (overlap only makes them contend).
     async_scheduling: bool | None = None
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
-    attention_backend: str = "auto"  # "auto" | "pallas" | "reference"; resolved at Engine start
+    attention_backend: str = "auto"  # "auto" | "mosaic" | "triton" ("pallas") | "reference"; resolved at start
     # Request defaults: "auto" = the checkpoint's generation_config.json (temperature, top_p, top_k,
     # min_p, repetition_penalty, max_new_tokens), "vllm" = paxserve's own, or a directory holding one.
     generation_config: str = "auto"

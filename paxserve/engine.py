@@ -84,7 +84,8 @@ class Engine:
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, jax.devices()[0].platform, num_heads=local_cfg.num_heads,
             num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
-            dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi)
+            dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
+            compute_capability=getattr(jax.devices()[0], "compute_capability", None))
         logger.info("attention backend: %s", self.attention_backend)
         device_bytes = _device_memory_bytes()
         activation_bytes = 0

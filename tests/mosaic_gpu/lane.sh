@@ -16,7 +16,7 @@ if ! "$PY" -c "import jax, sys; sys.exit(jax.__version__ != '$JAX_VERSION')" 2>/
     PYENV_VERSION=3.12.1 python3.12 -m venv .venv-mosaic
     # Only what the kernels and their tests import: the kernels need JAX alone.
     .venv-mosaic/bin/pip install -q --no-compile "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" numpy ml_dtypes \
-        jaxtyping absl-py pytest
+        jaxtyping absl-py pytest pytest-xdist
 fi
 # --confcutdir: the main suite's conftest (Python 3.11 engine tests) is not this lane's.
-exec "$PY" -m pytest -p no:cacheprovider --confcutdir=tests/mosaic_gpu tests/mosaic_gpu "$@"
+exec "$PY" -m pytest -p no:cacheprovider -n 2 --confcutdir=tests/mosaic_gpu tests/mosaic_gpu "$@"

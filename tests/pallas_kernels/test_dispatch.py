@@ -3,6 +3,7 @@ giving the same logits and greedy tokens as on the XLA reference, through the ru
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -38,14 +39,63 @@ def test_resolution_by_platform_and_shapes() -> None:
     with pytest.raises(ValueError, match="head_dim=80"):
         resolve_attention_backend("pallas", "gpu", **odd)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        resolve_attention_backend("triton", "gpu", **LLAMA8B_SHAPES)
-    with pytest.raises(ValueError, match="'pallas' or 'reference'"):
+        resolve_attention_backend("cuda", "gpu", **LLAMA8B_SHAPES)
+    with pytest.raises(ValueError, match="'mosaic', 'triton' or 'reference'"):
         AttentionBackend("xla")
+    # "pallas" is the earlier name of the Triton kernel.
+    assert AttentionBackend("pallas") == AttentionBackend("triton")
+    assert resolve_attention_backend("triton", "gpu", **LLAMA8B_SHAPES, self_check=None) == AttentionBackend("triton")
+
+
+def test_auto_picks_mosaic_on_hopper_and_falls_back_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    """Compute capability 9.0+ tries Mosaic GPU first; older GPUs and ROCm start at Triton; a kernel
+    failing its self-check hands over to the next, and the reference serves when none is left."""
+    mosaic, triton = AttentionBackend("mosaic"), AttentionBackend("triton")
+    resolve = lambda platform, cc, check: resolve_attention_backend(  # noqa: E731
+        "auto", platform, **LLAMA8B_SHAPES, self_check=check, compute_capability=cc)
+    tried: list[str] = []
+
+    def failing(*names: str):  # noqa: ANN202
+        def check(backend: AttentionBackend, **shapes) -> str | None:  # noqa: ANN003
+            tried.append(backend.name)
+            return "wrong numbers" if backend.name in names else None
+        return check
+
+    assert resolve("gpu", "9.0", failing()) == mosaic and tried == ["mosaic"]
+    assert resolve("gpu", "10.0", failing()) == mosaic
+    tried.clear()
+    assert resolve("gpu", "8.9", failing()) == triton and tried == ["triton"]
+    assert resolve("gpu", None, failing()) == triton
+    assert resolve("rocm", "9.0", failing()) == triton
+    tried.clear()
+    caplog.set_level(logging.INFO, logger="pallas_kernels.dispatch")
+    assert resolve("gpu", "9.0", failing("mosaic")) == triton and tried == ["mosaic", "triton"]
+    assert any("Mosaic GPU kernel failed its start-up self-check on gpu (wrong numbers)" in r.getMessage()
+               for r in caplog.records)
+    assert resolve("gpu", "9.0", failing("mosaic", "triton")) == REFERENCE
+    # Shapes Mosaic GPU does not serve (float32: wgmma takes 16-bit inputs) go straight to Triton.
+    tried.clear()
+    f32 = {**LLAMA8B_SHAPES, "dtype": jnp.float32}
+    assert resolve_attention_backend("auto", "gpu", **f32, self_check=failing(), compute_capability="9.0") == triton
+    assert tried == ["triton"]
+    with pytest.raises(ValueError, match="not bfloat16 or float16"):
+        resolve_attention_backend("mosaic", "gpu", **f32, self_check=None)
+
+
+def test_mosaic_on_cpu_needs_the_interpret_mode_of_jax_0_11_2() -> None:
+    import jax
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if hasattr(plgpu, "InterpretGPUParams"):  # the Mosaic GPU lane's JAX (tests/mosaic_gpu/lane.sh)
+        assert resolve_attention_backend("mosaic", "cpu", **LLAMA8B_SHAPES) == AttentionBackend("mosaic", interpret=True)
+    else:
+        with pytest.raises(ValueError, match=f"needs JAX >= 0.11.2 \\(this is JAX {jax.__version__}\\)"):
+            resolve_attention_backend("mosaic", "cpu", **LLAMA8B_SHAPES)
 
 
 def test_engine_config_validates_the_option() -> None:
     assert EngineConfig().attention_backend == "auto"
-    for option in ("auto", "pallas", "reference"):
+    for option in ("auto", "mosaic", "triton", "pallas", "reference"):
         assert EngineConfig(attention_backend=option).attention_backend == option
     with pytest.raises(ValueError, match="EngineConfig.attention_backend='cuda' is invalid"):
         EngineConfig(attention_backend="cuda")
