@@ -35,6 +35,7 @@ from paxserve.sampler import SamplerState
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
 from paxserve.scheduler import Scheduler, SchedulerConfig
 from paxserve.stats import StatsLogger
+from paxserve.gpu_memory import DeviceMemory, configure_allocator, device_memory
 from paxserve.step_functions import StepShapes, measure_activation_bytes
 from pallas_kernels import resolve_attention_backend
 
@@ -43,13 +44,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "Prompt"]
 
 
-def _device_memory_bytes() -> int | None:
-    """The accelerator's memory limit, or None on CPU (the KV cache then uses a host budget)."""
+def _device_memory() -> DeviceMemory | None:
+    """The accelerator's total memory and JAX's pool on it, or None on CPU (the KV cache then uses
+    a host budget)."""
     device = jax.devices()[0]
     if device.platform == "cpu":
         return None
-    stats = device.memory_stats() or {}
-    return stats.get("bytes_limit")
+    return device_memory(device.memory_stats())
 
 
 class Engine:
@@ -61,6 +62,11 @@ class Engine:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = config = EngineConfig(model=model, **engine_args)
+        # Before anything starts JAX's backend: its GPU pool is sized once, at start.
+        from jax._src import xla_bridge
+
+        logger.info("GPU memory: %s", configure_allocator(config.gpu_memory_utilization,
+                                                          xla_bridge.backends_are_initialized()))
         if config.trust_remote_code:
             logger.warning("--trust-remote-code / trust_remote_code=True has no effect: paxserve never runs code "
                            "from a checkpoint and loads only the architectures it implements")
@@ -87,7 +93,12 @@ class Engine:
             dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
             compute_capability=getattr(jax.devices()[0], "compute_capability", None))
         logger.info("attention backend: %s", self.attention_backend)
-        device_bytes = _device_memory_bytes()
+        memory = _device_memory()
+        device_bytes = None if memory is None else memory.total_bytes
+        if memory is not None:
+            logger.info("GPU memory: %.1f GiB on the device, JAX's pool %.1f GiB; planning with %.1f GiB "
+                        "(gpu_memory_utilization %s)", memory.total_bytes / 2**30, memory.pool_bytes / 2**30,
+                        memory.usable(config.gpu_memory_utilization) / 2**30, config.gpu_memory_utilization)
         activation_bytes = 0
         if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
             model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
@@ -111,7 +122,8 @@ class Engine:
                     info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
         self.plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes,
                                   activation_bytes, num_devices=1 if tp is None else tp.size,
-                                  sampler_state_bytes=sampler_bytes)
+                                  sampler_state_bytes=sampler_bytes,
+                                  pool_bytes=None if memory is None else memory.pool_bytes)
         # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU).
         kv_zeroing = zero_kv_cache(local_cfg, self.plan.num_blocks, config.block_size, info.dtype) \
             if tp is None else None

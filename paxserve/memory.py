@@ -51,8 +51,10 @@ def plan_kv_cache(
     activation_bytes: int = 0,
     num_devices: int = 1,
     sampler_state_bytes: int = 0,
+    pool_bytes: int | None = None,
 ) -> KVCachePlan:
-    """`device_bytes` is the accelerator's memory, or None on CPU. Under tensor parallelism `cfg`
+    """`device_bytes` is the accelerator's total memory, or None on CPU; `pool_bytes`, JAX's
+    allocator pool, caps what `gpu_memory_utilization` grants when it is smaller. Under tensor parallelism `cfg`
     is one device's share and every budget is per device (as vLLM's --kv-cache-memory-bytes and
     --gpu-memory-utilization are), except the CPU default, a host budget the `num_devices`
     simulated devices share."""
@@ -69,6 +71,11 @@ def plan_kv_cache(
                 "the CPU KV-cache budget (set kv_cache_memory_bytes to change)"
         else:
             usable = int(config.gpu_memory_utilization * device_bytes)
+            if pool_bytes is not None and pool_bytes < usable:
+                logger.warning("JAX's allocator pool (%.2f GiB) is smaller than gpu_memory_utilization %s x %.1f GiB; "
+                               "planning within the pool", pool_bytes / GiB, config.gpu_memory_utilization,
+                               device_bytes / GiB)
+                usable = pool_bytes
             budget = usable - weight_bytes - activation_bytes - sampler_state_bytes
             source = (f"gpu_memory_utilization {config.gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB "
                       f"- weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB "

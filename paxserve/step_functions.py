@@ -10,6 +10,7 @@ under tensor parallelism), which is all that compiling one ahead of time needs (
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Callable
@@ -26,6 +27,8 @@ from paxserve.sampler import SamplerState, SamplingMetadata, prompt_logprob_colu
 from paxserve.sampling_metadata import PACKED_WIDTH, bitmask_width
 from paxserve.sampling_params import MAX_LOGPROBS
 from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
+
+logger = logging.getLogger(__name__)
 
 STATIC = ("cfg", "attention_backend", "tp")
 
@@ -199,15 +202,23 @@ class StepShapes:
 def measure_activation_bytes(shapes: StepShapes, max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> int:
     """Temporary memory XLA plans for the largest step bucket, from shapes alone (no weights are
     needed), so memory planning can reserve it before the KV cache takes the rest (per device,
-    under tensor parallelism). The sampler holds every stage (penalties, filters, logprobs), so its
-    peak is that of the heaviest mix of requests."""
+    under tensor parallelism). Of the two step pipelines the heavier counts: a plain step (logits for
+    one row per sequence, then the sampler with every stage: penalties, filters, top logprobs) or a
+    step with prompt logprobs (logits for every token, then sampling and scoring them), whose
+    [tokens, vocab] float32 logits dominate for large vocabularies."""
     from paxserve.batch import next_power_of_2
 
     t, s = next_power_of_2(max_tokens), next_power_of_2(max_seqs)
-    forward, _, _ = shapes.spec(("forward", t, s, max_blocks_per_seq))
-    sampler, _, _ = shapes.spec(("sample", s))
-    # The logits are the forward's output and the sampler's input: count them once, beside both.
-    return sum(_temp_bytes(lower()) for lower in (forward, sampler)) + s * shapes.cfg.vocab_size * 4
+    vocab = shapes.cfg.vocab_size
+    peaks = {}
+    for forward_kind, sampler_key, rows in (("forward", ("sample", s), s), ("all_logits", ("score", t, s), t)):
+        forward, _, _ = shapes.spec((forward_kind, t, s, max_blocks_per_seq))
+        sampler, _, _ = shapes.spec(sampler_key)
+        # The logits are the forward's output and the sampler's input: count them once, beside both.
+        peaks[forward_kind] = sum(_temp_bytes(lower()) for lower in (forward, sampler)) + rows * vocab * 4
+    logger.info("activation peak: %.1f MiB for a plain step, %.1f MiB for one with prompt logprobs (%d tokens x %d "
+                "sequences); reserving the larger", peaks["forward"] / 2**20, peaks["all_logits"] / 2**20, t, s)
+    return max(peaks.values())
 
 
 def _temp_bytes(lowered: Any) -> int:

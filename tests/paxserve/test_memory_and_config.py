@@ -101,3 +101,52 @@ def test_activation_peak_is_measured_from_shapes_alone() -> None:
     small = measure_activation_bytes(shapes, 16, 2, 4)
     large = measure_activation_bytes(shapes, 256, 8, 16)
     assert 0 < small < large  # more tokens in the largest bucket need more scratch memory
+
+
+def test_activation_peak_counts_prompt_logprobs_when_they_are_the_heavier_step() -> None:
+    """A step scoring every prompt token holds [tokens, vocab] float32 logits: with a large
+    vocabulary that, not the plain step's [sequences, vocab], sets the peak."""
+    import numpy as np
+
+    from models.registry import get_architecture
+    from paxserve.step_functions import StepShapes, measure_activation_bytes
+
+    big_vocab = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32768, hidden_size=64, num_layers=1,
+                            num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                            max_position_embeddings=256)
+    shapes = StepShapes(big_vocab, get_architecture(big_vocab.architecture), np.dtype(np.float32), 16, 2, 5)
+    peak = measure_activation_bytes(shapes, 128, 4, 8)
+    assert peak >= 128 * 32768 * 4  # the all-token logits alone
+
+
+def test_allocator_is_sized_from_the_flag_before_the_backend_starts() -> None:
+    from paxserve.gpu_memory import MEM_FRACTION, configure_allocator
+
+    env: dict[str, str] = {}
+    said = configure_allocator(0.85, backend_started=False, environ=env)
+    assert env[MEM_FRACTION] == "0.8500" and "85%" in said
+    env = {MEM_FRACTION: "0.5"}
+    assert "set by the user is kept" in configure_allocator(0.85, backend_started=False, environ=env)
+    assert env[MEM_FRACTION] == "0.5"
+    env = {}
+    assert "already started" in configure_allocator(0.85, backend_started=True, environ=env) and not env
+
+
+def test_plan_uses_the_devices_total_and_is_capped_by_a_smaller_pool(caplog) -> None:  # noqa: ANN001
+    """An H200 (141 GB) whose pool JAX made with the flag's fraction: the plan's budget is 0.9 x the
+    total, not 0.9 x the pool; a user's smaller pool caps it (with a warning)."""
+    from paxserve.gpu_memory import MEM_FRACTION, device_memory
+
+    total = 150_754_820_096
+    memory = device_memory({"bytes_limit": int(0.9 * total)}, environ={MEM_FRACTION: "0.9000"})
+    assert abs(memory.total_bytes - total) <= 2 and memory.usable(0.9) == memory.pool_bytes
+    assert device_memory({"bytes_limit": int(0.75 * total)}, environ={}).total_bytes == pytest.approx(total, abs=2)
+    assert device_memory(None) is None and device_memory({}) is None
+    config = EngineConfig(gpu_memory_utilization=0.9)
+    full = plan_kv_cache(LLAMA8B, config, 2, 16 * GiB, memory.total_bytes, pool_bytes=memory.pool_bytes)
+    small_pool = int(0.5 * total)
+    capped = plan_kv_cache(LLAMA8B, config, 2, 16 * GiB, memory.total_bytes, pool_bytes=small_pool)
+    per_block = kv_bytes_per_block(LLAMA8B, 16, 2)
+    assert full.num_blocks == (int(0.9 * total) - 16 * GiB) // per_block
+    assert capped.num_blocks == (small_pool - 16 * GiB) // per_block
+    assert any("allocator pool" in r.getMessage() for r in caplog.records)
