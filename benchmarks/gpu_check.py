@@ -3,15 +3,17 @@
     python benchmarks/gpu_check.py            # one H200: finishes in about 6 minutes or less
     python benchmarks/gpu_check.py --smoke    # tiny shapes, any machine (kernels interpreted on CPU)
 
-(a) every Pallas kernel (and JAX's own Pallas paged attention) against the XLA reference on random
+(a) every Pallas kernel, Mosaic GPU and Triton, (and JAX's own paged attention) against the XLA reference on random
     ragged inputs (shuffled pages, NaN in unused pages), reference at highest matmul precision;
 (b) decode attention at Llama-3-8B shapes (32 q heads, 8 KV heads, head_dim 128, block 16,
     bfloat16, one layer) at batch x context 64x1k, 64x4k, 256x1k: time and achieved bandwidth of
-    our decode kernel, our ragged kernel on the same batch, JAX's
+    our Mosaic GPU and Triton decode and ragged kernels on the same batch, JAX's
     `jax.experimental.pallas.ops.gpu.paged_attention` (cache laid out as [kv_heads, pages, page, dim])
     and the XLA reference, next to a measured device-to-device copy bandwidth;
 (c) offline generation with the Engine on a random-weight Llama-3-8B-shaped model (bfloat16, 256
     prompts x 512 tokens, 128 output tokens each) next to the memory-bandwidth bound of its decode;
+(m) GPU memory: JAX's pool sized from --gpu-memory-utilization and the device total planned from,
+    next to nvidia-smi's;
 (d) the MoE layer at Mixtral-8x7B shapes: tiled expert products vs all experts, and its time next
     to `jax.lax.ragged_dot` and a dense MLP of the active size (benchmarks/gpu_check_moe.py).
 
@@ -36,6 +38,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# As the Engine does before JAX's backend starts: the GPU pool is --gpu-memory-utilization (0.9) of
+# the device, so part (m) can check the planned total against nvidia-smi's.
+from paxserve.gpu_memory import configure_allocator  # noqa: E402
+
+ALLOCATOR = configure_allocator(0.9, backend_started=False)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -46,6 +54,12 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     decode_metadata,
     paged_decode_attention,
     paged_decode_attention_reference,
+)
+from pallas_kernels.mosaic_attention import (  # noqa: E402
+    MosaicAttentionConfig,
+    mosaic_paged_decode_attention,
+    mosaic_ragged_paged_attention,
+    supports_mosaic_attention,
 )
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
@@ -161,6 +175,29 @@ def part_a(smoke: bool, interpret: bool) -> None:
         with jax.default_matmul_precision("highest"):
             ref = ragged_paged_attention_reference(p["q"], p["k"], p["v"], 1, p["md"], **kw)
         check(label, out, ref, p["num_tokens"], dtype)
+        if not smoke:
+            mosaic_check(f"{label} [mosaic]", lambda p=p, kw=kw: mosaic_ragged_paged_attention(
+                p["q"], p["k"], p["v"], 1, p["md"], interpret=interpret, **kw), ref, p, kvh * group, kvh, hd, bs, dtype)
+    # Mosaic GPU (16-bit only, head_dim a multiple of 64): the ragged step and split-K decode.
+    for label, dtype, group, bs, splits in (("mosaic ragged bf16 gqa4 b16", jnp.bfloat16, 4, 16, None),
+                                            ("mosaic decode f16 gqa8 b32 3 splits", jnp.float16, 8, 32, 3)):
+        hd = 64
+        p = ragged_problem(rng, num_seqs=num_seqs, block_size=bs, num_kv_heads=2, group=group, head_dim=hd,
+                           dtype=dtype, max_ctx=max_ctx, decode_only=splits is not None)
+        md = p["md"]
+        if splits is None:
+            with jax.default_matmul_precision("highest"):
+                ref = ragged_paged_attention_reference(p["q"], p["k"], p["v"], 1, md, sm_scale=hd**-0.5)
+            run = lambda p=p, md=md: mosaic_ragged_paged_attention(p["q"], p["k"], p["v"], 1, md, sm_scale=hd**-0.5,  # noqa: E731
+                                                                   interpret=interpret)
+        else:
+            with jax.default_matmul_precision("highest"):
+                ref = paged_decode_attention_reference(p["q"], p["k"], p["v"], 1, md.block_tables, md.context_lens,
+                                                       sm_scale=hd**-0.5)
+            run = lambda p=p, md=md, splits=splits: mosaic_paged_decode_attention(  # noqa: E731
+                p["q"], p["k"], p["v"], 1, md.block_tables, md.context_lens, sm_scale=hd**-0.5,
+                config=MosaicAttentionConfig(num_splits=splits), interpret=interpret)
+        mosaic_check(label, run, ref, p, 2 * group, 2, hd, bs, dtype)
     decode_cases = (("decode f32 auto splits", jnp.float32, None), ("decode bf16 4 splits", jnp.bfloat16, 4))
     for label, dtype, splits in decode_cases[1:] if smoke else decode_cases:
         from pallas_kernels.paged_attention import PagedDecodeAttentionConfig
@@ -174,6 +211,25 @@ def part_a(smoke: bool, interpret: bool) -> None:
             ref = paged_decode_attention_reference(p["q"], p["k"], p["v"], 1, md.block_tables, md.context_lens,
                                                    sm_scale=d**-0.5)
         check(label, out, ref, p["num_tokens"], dtype)
+
+
+def mosaic_runs_here() -> str | None:
+    """None if the Mosaic GPU kernel can run here, else why not (on a CPU it needs JAX 0.11.2's
+    GPU interpret mode)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if jax.devices()[0].platform != "cpu" or hasattr(plgpu, "InterpretGPUParams"):
+        return None
+    return f"Mosaic GPU interpret mode needs JAX >= 0.11.2 (this is {jax.__version__}): tests/mosaic_gpu/lane.sh"
+
+
+def mosaic_check(label: str, run: Callable[[], jax.Array], ref: jax.Array, p: dict, heads: int, kv_heads: int,
+                 hd: int, bs: int, dtype: Any) -> None:
+    reason = mosaic_runs_here() or supports_mosaic_attention(heads, kv_heads, hd, bs, dtype)
+    if reason:
+        row("a", f"{label} vs reference", "n/a", reason)
+        return
+    check(label, run(), ref, p["num_tokens"], dtype)
 
 
 def check(label: str, out: jax.Array, ref: jax.Array, n: int, dtype: Any) -> None:
@@ -201,7 +257,7 @@ def part_b(smoke: bool, interpret: bool, deadline: float) -> None:
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged_attention
 
     bw = copy_bandwidth(smoke)
-    heads, kv_heads, hd, bs = (8, 2, 32, 16) if smoke else (32, 8, 128, 16)
+    heads, kv_heads, hd, bs = (8, 2, 64, 16) if smoke else (32, 8, 128, 16)
     shapes = [(2, 64)] if smoke else [(64, 1024), (64, 4096), (256, 1024)]
     min_time, reps = (0.0, 1) if smoke else (0.3, 3)
     for batch, ctx in shapes:
@@ -231,19 +287,36 @@ def part_b(smoke: bool, interpret: bool, deadline: float) -> None:
         theirs = jax.jit(lambda q, kp, vp: jax_paged_attention(q * scale, kp, vp, tables, lens, k_splits=splits,
                                                                pages_per_compute_block=min(8, pages // splits),
                                                                interpret=interpret))
+        mosaic = jax.jit(lambda q, k, v: mosaic_paged_decode_attention(q, k, v, 0, tables, lens, sm_scale=scale,
+                                                                       interpret=interpret))
+        mosaic_ragged = jax.jit(lambda q, k, v: mosaic_ragged_paged_attention(q, k, v, 0, md, sm_scale=scale,
+                                                                              interpret=interpret))
         ref_out = reference(q, k, v)
-        for name, fn, args in (("paxserve decode kernel", ours, (q, k, v)), ("paxserve ragged kernel", ragged, (q, k, v)),
-                               ("jax pallas paged_attention", theirs, (q, k_pages, v_pages)),
-                               ("XLA reference", reference, (q, k, v))):
+        times: dict[str, float] = {}
+        kernels = [("mosaic decode kernel", mosaic, (q, k, v)), ("mosaic ragged kernel", mosaic_ragged, (q, k, v)),
+                   ("triton decode kernel", ours, (q, k, v)), ("triton ragged kernel", ragged, (q, k, v)),
+                   ("jax pallas paged_attention", theirs, (q, k_pages, v_pages)),
+                   ("XLA reference", reference, (q, k, v))]
+        for name, fn, args in kernels:
             what = f"decode {batch}x{ctx} {name}"
+            if name.startswith("mosaic") and mosaic_runs_here():
+                row("b", what, "n/a", mosaic_runs_here())
+                continue
             try:
                 err, ok = rel_error(fn(*args), ref_out, batch)
                 seconds = timed(lambda: fn(*args), min_time=min_time, reps=reps)
+                times[name] = seconds
                 achieved = kv_bytes / seconds
                 row("b", what, f"{seconds * 1e6:.0f} us, {achieved / 1e9:.0f} GB/s",
                     f"{100 * achieved / bw:.0f}% of copy BW; rel err {err:.1e}{'' if ok else ' NaN!'}")
             except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others
                 row("b", what, "ERROR", f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+        if not smoke and "mosaic decode kernel" in times:
+            share = kv_bytes / times["mosaic decode kernel"] / bw
+            vs_jax = times.get("jax pallas paged_attention", math.nan) / times["mosaic decode kernel"]
+            met = share >= 0.7 and vs_jax >= 1.0
+            row("b", f"decode {batch}x{ctx} targets (>= 70% copy BW, >= 1.0x JAX)", "met" if met else "not met",
+                f"mosaic decode at {100 * share:.0f}% of copy BW, {vs_jax:.2f}x JAX's kernel")
         del k, v, k_pages, v_pages
         gc.collect()
 
@@ -279,6 +352,32 @@ def random_model_loader(directory: Path):  # noqa: ANN201
     return load
 
 
+def part_m() -> None:
+    """The allocator pool and the device total the Engine plans from, next to nvidia-smi's total."""
+    import subprocess
+
+    from paxserve.gpu_memory import device_memory
+
+    row("m", "allocator", "configured", ALLOCATOR)
+    stats = jax.devices()[0].memory_stats()
+    memory = device_memory(stats)
+    if memory is None:
+        row("m", "device memory", "n/a", "no device memory statistics (CPU)")
+        return
+    row("m", "memory_stats keys", ", ".join(sorted(stats)), "")
+    smi = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        smi = int(out.splitlines()[0]) * 2**20 if out else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    note = "" if smi is None else f"nvidia-smi says {smi / 2**30:.1f} GiB ({100 * memory.total_bytes / smi:.1f}%)"
+    row("m", "device total (pool / fraction)", f"{memory.total_bytes / 2**30:.1f} GiB", note)
+    row("m", "JAX pool (bytes_limit)", f"{memory.pool_bytes / 2**30:.1f} GiB",
+        f"usable at 0.9: {memory.usable(0.9) / 2**30:.1f} GiB")
+
+
 def part_c(smoke: bool, deadline: float, bw: float | None) -> None:
     import paxserve.engine as engine_module
     from paxserve import Engine, SamplingParams
@@ -292,13 +391,19 @@ def part_c(smoke: bool, deadline: float, bw: float | None) -> None:
         try:
             engine = Engine(tmp, dtype="bfloat16", max_model_len=1024 if not smoke else 64, max_num_seqs=num_prompts,
                             max_num_batched_tokens=64 if smoke else 8192,
-                            kv_cache_memory_bytes=(24 * 2**30 if not smoke else 8 * 2**20), warmup=False,
+                            # On the GPU the cache is planned (0.9 of the device, minus weights and the
+                            # measured activation peak): part of what this check shows.
+                            kv_cache_memory_bytes=None if not smoke else 8 * 2**20, warmup=False,
                             log_stats_interval=0, compilation_cache_dir="",
-                            attention_backend="auto" if not smoke else "pallas")
+                            attention_backend="auto" if not smoke else "triton")
         finally:
             engine_module.load_model = original
     row("c", "engine attention backend", engine.attention_backend.name
         + (" (interpret)" if engine.attention_backend.interpret else ""))
+    plan = engine.plan
+    row("c", "KV cache plan", f"{plan.num_blocks} blocks = {plan.num_blocks * plan.bytes_per_block / 2**30:.1f} GiB",
+        f"activation peak reserved {engine.activation_bytes / 2**30:.2f} GiB (heavier of plain / prompt-logprob "
+        f"steps); max_model_len {plan.max_model_len}")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"], prompt_len).tolist() for _ in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -347,7 +452,7 @@ def part_c(smoke: bool, deadline: float, bw: float | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; on CPU the kernels run interpreted")
-    parser.add_argument("--budget", type=float, default=330.0, help="seconds for the whole check")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check")
     args = parser.parse_args()
     start = time.monotonic()
     deadline = start + args.budget
@@ -357,7 +462,7 @@ def main() -> None:
     if not args.smoke and platform == "cpu":
         print("no GPU: run with --smoke on CPU", file=sys.stderr)
     bw = None
-    parts = (("a", lambda: part_a(args.smoke, interpret)),
+    parts = (("m", part_m), ("a", lambda: part_a(args.smoke, interpret)),
              ("b", lambda: part_b(args.smoke, interpret, deadline - (0 if args.smoke else 150))),
              ("c", lambda: part_c(args.smoke, deadline - (0 if args.smoke else 30), bw)),
              ("d", lambda: part_d(args.smoke, row, timed, bw)))

@@ -100,6 +100,7 @@ class Engine:
                         "(gpu_memory_utilization %s)", memory.total_bytes / 2**30, memory.pool_bytes / 2**30,
                         memory.usable(config.gpu_memory_utilization) / 2**30, config.gpu_memory_utilization)
         activation_bytes = 0
+        self.activation_bytes = 0  # what the plan reserved for the largest step's temporaries
         if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
             model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
                 info.config.max_position_embeddings
@@ -108,6 +109,7 @@ class Engine:
             activation_bytes = measure_activation_bytes(
                 shapes, config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
                 -(-model_len // config.block_size))
+            self.activation_bytes = activation_bytes
             logger.info("activation peak of the largest step: %.2f GiB%s", activation_bytes / 2**30,
                         "" if tp is None else " per device")
         if tp is not None:
