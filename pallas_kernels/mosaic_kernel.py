@@ -33,6 +33,7 @@ interpret mode (`plgpu.InterpretGPUParams`) can simulate on a CPU.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import jax
@@ -47,6 +48,12 @@ STAGE = 64  # cache positions per pipeline stage
 # Per-unit int32 fields of the `units` operand.
 U_QBLOCK, U_SEQ, U_QPOS0, U_KV_LO, U_KV_HI = range(5)
 UNIT_FIELDS = 8  # padded so each unit's row is 32 bytes
+# JAX 0.10's `plgpu.load` takes the index positionally; 0.11 deprecates passing it (index the ref).
+_LOAD_TAKES_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def _load(ref, layout):  # noqa: ANN001, ANN202
+    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +126,7 @@ def _unit_kernel(units_ref, tables_ref, scalars_ref, slopes_ref, q_ref, k_ref, v
         if shape.has_window:
             window = scalars_ref[1]
         if shape.has_alibi:
-            slopes = lax.broadcast_in_dim(plgpu.load(slopes_smem, layout=plgpu.Layout.WGMMA.reduce(1)),
+            slopes = lax.broadcast_in_dim(_load(slopes_smem, plgpu.Layout.WGMMA.reduce(1)),
                                           (ROWS, STAGE), [0])
 
         def stage_body(i, carry):
@@ -159,7 +166,7 @@ def _unit_kernel(units_ref, tables_ref, scalars_ref, slopes_ref, q_ref, k_ref, v
             @pl.when(stage0 + (i + 1) * STAGE > kv_hi)
             def _():  # the unit's last stage: zero V rows at positions it must not read
                 vrow = plgpu.broadcasted_iota(jnp.int32, (STAGE, d), 0, layout=plgpu.Layout.WGMMA)
-                vals = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
+                vals = _load(v_smem.at[slot], plgpu.Layout.WGMMA)
                 keep = stage0 + i * STAGE + vrow < kv_hi
                 v_smem.at[slot][...] = jnp.where(keep, vals, jnp.zeros_like(vals))
 
