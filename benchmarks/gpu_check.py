@@ -319,6 +319,60 @@ def part_b(smoke: bool, interpret: bool, deadline: float) -> None:
                 f"mosaic decode at {100 * share:.0f}% of copy BW, {vs_jax:.2f}x JAX's kernel")
         del k, v, k_pages, v_pages
         gc.collect()
+    if time.monotonic() < deadline:
+        mixed_step(smoke, interpret, bw, heads, kv_heads, hd, bs, min_time, reps)
+
+
+def mixed_step(smoke: bool, interpret: bool, bw: float, heads: int, kv_heads: int, hd: int, bs: int,
+               min_time: float, reps: int) -> None:
+    """The engine's ragged step on a mixed batch: decode tokens on 1k-4k contexts beside prompt
+    chunks of 256 tokens (Llama-3-8B shapes, one layer), every ragged kernel and the reference."""
+    rng = np.random.default_rng(5)
+    num_decode, num_prefill, chunk = (3, 1, 16) if smoke else (48, 16, 256)
+    ctx = np.concatenate([rng.integers(16 if smoke else 1024, (64 if smoke else 4096) + 1, num_decode),
+                          rng.integers(chunk, (64 if smoke else 2048) + 1, num_prefill)]).astype(np.int32)
+    q_lens = np.concatenate([np.ones(num_decode, np.int32), np.full(num_prefill, chunk, np.int32)])
+    pages = -(-ctx // bs)
+    width = int(pages.max())
+    num_blocks = int(pages.sum()) + 1
+    ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    tables = np.zeros((len(ctx), width), np.int32)
+    start = 0
+    for s, n in enumerate(pages):
+        tables[s, :n] = ids[start:start + n]
+        start += n
+    num_tokens = int(q_lens.sum())
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    md = AttentionMetadata(slot_mapping=jnp.zeros((num_tokens,), jnp.int32), block_tables=jnp.asarray(tables),
+                           context_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl),
+                           logits_indices=jnp.asarray(qsl[1:] - 1))
+    kk, kv, kq = jax.random.split(jax.random.key(11), 3)
+    shape = (1, num_blocks, bs, kv_heads, hd)
+    k = jax.random.normal(kk, shape, jnp.bfloat16)
+    v = jax.random.normal(kv, shape, jnp.bfloat16)
+    q = jax.random.normal(kq, (num_tokens, heads, hd), jnp.bfloat16)
+    scale = hd**-0.5
+    kv_bytes = 2 * int(ctx.sum()) * kv_heads * hd * 2
+    label = f"mixed step {num_decode} decode + {num_prefill} x {chunk} prefill"
+    reference = jax.jit(lambda q, k, v: ragged_paged_attention_reference(q, k, v, 0, md, sm_scale=scale))
+    kernels = [("mosaic ragged kernel", jax.jit(lambda q, k, v: mosaic_ragged_paged_attention(
+                    q, k, v, 0, md, sm_scale=scale, interpret=interpret))),
+               ("triton ragged kernel", jax.jit(lambda q, k, v: ragged_paged_attention(
+                    q, k, v, 0, md, sm_scale=scale, interpret=interpret))),
+               ("XLA reference", reference)]
+    ref_out = reference(q, k, v)
+    for name, fn in kernels:
+        what = f"{label} {name}"
+        if name.startswith("mosaic") and mosaic_runs_here():
+            row("b", what, "n/a", mosaic_runs_here())
+            continue
+        try:
+            err, ok = rel_error(fn(q, k, v), ref_out, num_tokens)
+            seconds = timed(lambda fn=fn: fn(q, k, v), min_time=min_time, reps=reps)
+            row("b", what, f"{seconds * 1e6:.0f} us", f"KV read once = {100 * kv_bytes / seconds / bw:.0f}% of copy "
+                f"BW; rel err {err:.1e}{'' if ok else ' NaN!'}")
+        except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others
+            row("b", what, "ERROR", f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
 
 
 # ---- (c) end-to-end --------------------------------------------------------------------------------
