@@ -25,6 +25,7 @@ from paxserve.config import EngineConfig
 from paxserve.engine_core import EngineCore
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot
 from paxserve.generation_config import GENERATION_CONFIG_MODES, resolve_sampling_defaults
+from paxserve.gpu_memory import DeviceMemory, configure_allocator, device_memory
 from paxserve.input_processor import InputProcessor, Prompt
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.memory import plan_kv_cache
@@ -35,7 +36,6 @@ from paxserve.sampler import SamplerState
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
 from paxserve.scheduler import Scheduler, SchedulerConfig
 from paxserve.stats import StatsLogger
-from paxserve.gpu_memory import DeviceMemory, configure_allocator, device_memory
 from paxserve.step_functions import StepShapes, measure_activation_bytes
 from pallas_kernels import resolve_attention_backend
 

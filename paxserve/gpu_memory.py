@@ -45,8 +45,8 @@ def configure_allocator(gpu_memory_utilization: float, backend_started: bool,
         return f"{MEM_FRACTION}={environ[MEM_FRACTION]} set by the user is kept; the plan is capped by that pool"
     environ[MEM_FRACTION] = f"{gpu_memory_utilization:.4f}"
     environ.setdefault(PREALLOCATE, "true")
-    return (f"JAX's GPU allocator gets {gpu_memory_utilization:.0%} of the device's memory "
-            f"({MEM_FRACTION}={environ[MEM_FRACTION]}), as --gpu-memory-utilization asks")
+    return (f"JAX's GPU allocator (if this process uses a GPU) gets {gpu_memory_utilization:.0%} of the "
+            f"device's memory ({MEM_FRACTION}={environ[MEM_FRACTION]}), as --gpu-memory-utilization asks")
 
 
 def device_memory(stats: dict | None, environ: MutableMapping[str, str] | None = None) -> DeviceMemory | None:
