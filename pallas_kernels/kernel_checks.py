@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels.attention_args import Window, check_alibi_slopes, check_scale_and_cap, check_sliding_window
 
-__all__ = ["MIN_DOT", "SUPPORTED_DTYPES", "check_options", "is_pow2", "next_pow2", "supports_ragged_paged_attention",
+__all__ = ["MIN_DOT", "SUPPORTED_DTYPES", "check_decode_tables", "check_options", "is_pow2", "next_pow2", "supports_ragged_paged_attention",
            "validate_q_and_cache"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -37,9 +39,11 @@ def supports_ragged_paged_attention(
     return None
 
 
-def validate_q_and_cache(q: Array, k_cache: Array, v_cache: Array, kernel: str) -> None:
+def validate_q_and_cache(q: Array, k_cache: Array, v_cache: Array, kernel: str,
+                         supports: Callable[..., str | None] = supports_ragged_paged_attention) -> None:
     """Checks shared by the kernels' entry points: q [rows, H, D], caches [L, N, P, K, D] alike, one
-    dtype, and shapes the kernels support."""
+    dtype, and shapes the kernel supports (`supports(num_heads, num_kv_heads, head_dim, block_size,
+    dtype)`: None or the reason; the Triton kernels' by default)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [rows, num_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
@@ -49,9 +53,16 @@ def validate_q_and_cache(q: Array, k_cache: Array, v_cache: Array, kernel: str) 
         raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.shape[-1] != q.shape[-1]:
         raise ValueError(f"head_dim of q ({q.shape[-1]}) and of the cache ({k_cache.shape[-1]}) differ")
-    reason = supports_ragged_paged_attention(q.shape[1], k_cache.shape[3], q.shape[2], k_cache.shape[2], q.dtype)
+    reason = supports(q.shape[1], k_cache.shape[3], q.shape[2], k_cache.shape[2], q.dtype)
     if reason:
         raise ValueError(f"{kernel}: {reason}")
+
+
+def check_decode_tables(q: Array, block_tables: Array, context_lens: Array, kernel: str) -> None:
+    """A decode batch's block_tables [S, B] and context_lens [S] match q's S."""
+    if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
+        raise ValueError(f"{kernel}: block_tables [S, B] and context_lens [S] must match q's S={q.shape[0]}; got "
+                         f"{block_tables.shape}, {context_lens.shape}")
 
 
 def check_options(q: Array, sm_scale: float, sliding_window: Window, soft_cap: float | None,

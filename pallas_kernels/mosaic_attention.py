@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention_args import Window, slopes_operand, window_operand
-from pallas_kernels.kernel_checks import check_options
+from pallas_kernels.kernel_checks import check_decode_tables, check_options, next_pow2, validate_q_and_cache
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mosaic_kernel import (
     ROWS,
@@ -43,11 +43,10 @@ from pallas_kernels.mosaic_kernel import (
     U_SEQ,
     UNIT_FIELDS,
     KernelShape,
-    ceil_div,
     launch_units,
-    next_pow2,
     smem_bytes,
 )
+from pallas_kernels.paged_attention import combine_splits
 
 __all__ = ["MosaicAttentionConfig", "mosaic_paged_decode_attention", "mosaic_ragged_paged_attention",
            "supports_mosaic_attention"]
@@ -94,18 +93,6 @@ def supports_mosaic_attention(num_heads: int, num_kv_heads: int, head_dim: int, 
     return None
 
 
-def _validate(q: Array, k_cache: Array, v_cache: Array, entry: str) -> None:
-    if q.ndim != 3 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"{entry}: q must be [rows, H, D] and both caches [L, N, P, K, D] alike, got "
-                         f"{q.shape}, {k_cache.shape}, {v_cache.shape}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"{entry}: q and the caches must share dtype and head_dim, got {q.dtype}{q.shape}, "
-                         f"{k_cache.dtype}{k_cache.shape}")
-    reason = supports_mosaic_attention(q.shape[1], k_cache.shape[3], q.shape[2], k_cache.shape[2], q.dtype)
-    if reason:
-        raise ValueError(f"{entry}: {reason}")
-
-
 def _kernel_shape(q: Array, k_cache: Array, tokens_per_unit: int | None, *, sm_scale: float,
                   soft_cap: float | None, window: Array | None, slopes: Array | None,
                   config: MosaicAttentionConfig) -> KernelShape:
@@ -122,6 +109,10 @@ def _kernel_shape(q: Array, k_cache: Array, tokens_per_unit: int | None, *, sm_s
         has_alibi=slopes is not None)
 
 
+def ceil_div(a, b):  # noqa: ANN001, ANN201 - Python ints and int32 arrays alike
+    return -(-a // b)
+
+
 def _num_splits(config: MosaicAttentionConfig, num_kv_heads: int, num_units: int, max_context: int) -> int:
     if config.num_splits is not None:
         return config.num_splits
@@ -133,16 +124,12 @@ def _split(units: Int[Array, "W 8"], kv_lo: Array, kv_hi: Array, splits: int) ->
     """Each unit's range cut into `splits` pieces of whole stages (empty pieces read nothing)."""
     if splits == 1:
         return units.at[:, U_KV_LO].set(kv_lo).at[:, U_KV_HI].set(kv_hi)
-    piece = ceil_div_array(jnp.maximum(kv_hi - kv_lo, 0), splits * STAGE) * STAGE
+    piece = ceil_div(jnp.maximum(kv_hi - kv_lo, 0), splits * STAGE) * STAGE
     j = jnp.arange(splits, dtype=jnp.int32)[None, :]
     lo = jnp.minimum(kv_hi[:, None], kv_lo[:, None] + j * piece[:, None])
     hi = jnp.minimum(kv_hi[:, None], lo + piece[:, None])
     out = jnp.repeat(units, splits, axis=0)
     return out.at[:, U_KV_LO].set(lo.reshape(-1)).at[:, U_KV_HI].set(hi.reshape(-1))
-
-
-def ceil_div_array(a: Array, b: int) -> Array:
-    return (a + b - 1) // b
 
 
 def _run(q_blocks: Array, units: Array, kv_lo: Array, kv_hi: Array, tables: Array, k_cache: Array,
@@ -175,11 +162,7 @@ def _run(q_blocks: Array, units: Array, kv_lo: Array, kv_hi: Array, tables: Arra
     o = o.reshape(shape.num_kv_heads, num_units, splits, r, shape.head_dim)
     m = m[..., :r].reshape(shape.num_kv_heads, num_units, splits, r)
     l = l[..., :r].reshape(shape.num_kv_heads, num_units, splits, r)
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    weight = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # pieces that saw nothing weigh 0
-    total = jnp.sum(weight * l, axis=2)
-    out = jnp.sum(weight[..., None] * o, axis=2)
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
+    return combine_splits(jnp.moveaxis(o, 2, 0), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0))
 
 
 def _pack_query(q: Array, shape: KernelShape, token_idx: Array, token_ok: Array) -> Float[Array, "K W R D"]:
@@ -227,7 +210,7 @@ def _ragged(q, k_cache, v_cache, layer, metadata: AttentionMetadata, window, slo
     tok = jnp.arange(num_tokens, dtype=jnp.int32)
     tseq = metadata.token_seq_ids(num_tokens)
     i = tok - qsl[tseq]
-    blocks_per_seq = ceil_div_array(qlen, bq)
+    blocks_per_seq = ceil_div(qlen, bq)
     unit = (jnp.cumsum(blocks_per_seq) - blocks_per_seq)[tseq] + i // bq
     unit = jnp.clip(unit, 0, rows.shape[1] - 1)
     row = (i % bq)[:, None] * shape.group_pad + jnp.arange(shape.group, dtype=jnp.int32)[None, :]
@@ -263,7 +246,7 @@ def mosaic_ragged_paged_attention(
       (JAX >= 0.11.2, CPU).
     Raises ValueError for shapes `supports_mosaic_attention` rejects.
     """
-    _validate(q, k_cache, v_cache, "mosaic_ragged_paged_attention")
+    validate_q_and_cache(q, k_cache, v_cache, "mosaic_ragged_paged_attention", supports_mosaic_attention)
     window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "mosaic_ragged_paged_attention")
     return _ragged(q, k_cache, v_cache, layer, metadata, window, alibi_slopes, sm_scale=float(sm_scale),
                    soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret)
@@ -306,10 +289,8 @@ def mosaic_paged_decode_attention(
     against its paged context, split-K over long contexts; the contract of
     `paged_decode_attention_reference`. Sequences with context 0 give zeros. Arguments as
     `mosaic_ragged_paged_attention`."""
-    _validate(q, k_cache, v_cache, "mosaic_paged_decode_attention")
-    if block_tables.ndim != 2 or context_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]:
-        raise ValueError(f"mosaic_paged_decode_attention: block_tables [S, B] and context_lens [S] must match q's "
-                         f"S={q.shape[0]}, got {block_tables.shape} and {context_lens.shape}")
+    validate_q_and_cache(q, k_cache, v_cache, "mosaic_paged_decode_attention", supports_mosaic_attention)
+    check_decode_tables(q, block_tables, context_lens, "mosaic_paged_decode_attention")
     window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "mosaic_paged_decode_attention")
     return _decode(q, k_cache, v_cache, layer, block_tables, context_lens, window, alibi_slopes,
                    sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap), config=config,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 
 import jax
 import jax.numpy as jnp
@@ -240,11 +239,3 @@ def launch_units(
 def smem_bytes(head_dim: int, num_buffers: int, itemsize: int = 2) -> int:
     """Shared memory the K/V phase holds (the larger of the kernel's two phases)."""
     return (ROWS * head_dim + 2 * num_buffers * STAGE * head_dim + ROWS * STAGE) * itemsize + ROWS * 4
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))

@@ -33,7 +33,14 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention_args import Window, slopes_operand, window_operand
-from pallas_kernels.kernel_checks import MIN_DOT, check_options, is_pow2, next_pow2, validate_q_and_cache
+from pallas_kernels.kernel_checks import (
+    MIN_DOT,
+    check_decode_tables,
+    check_options,
+    is_pow2,
+    next_pow2,
+    validate_q_and_cache,
+)
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import _SQUEEZED
@@ -153,8 +160,9 @@ def _kernel(
 # ---- wrapper -------------------------------------------------------------------------------------
 
 
-def _combine(acc: Array, m: Array, l: Array) -> Array:
-    """Merge split partials: [splits, S, K, G, D], [splits, S, K, G] x2 -> [S, K, G, D] float32."""
+def combine_splits(acc: Array, m: Array, l: Array) -> Array:
+    """Merge split-K partials by log-sum-exp: acc [splits, ..., D], running max m and sum l
+    [splits, ...] -> [..., D] float32 (splits that saw no key weigh nothing; rows none saw give 0)."""
     m_max = jnp.max(m, axis=0)
     m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
     weight = jnp.exp(m - m_max[None])  # 0 for empty splits (m = -inf)
@@ -236,7 +244,7 @@ def _paged_decode_attention(
         interpret=interpret,
         name="paged_decode_attention",
     )(scalars, tables, context_lens.astype(jnp.int32), *head_inputs[1], q4, k_cache, v_cache)
-    return _combine(acc, m, l).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+    return combine_splits(acc, m, l).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
 # ---- public entry and reference ------------------------------------------------------------------
@@ -280,9 +288,7 @@ def paged_decode_attention(
       interpret: run with the Pallas interpreter (CPU tests).
     """
     validate_q_and_cache(q, k_cache, v_cache, "paged_decode_attention")
-    if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
-        raise ValueError(f"block_tables [S, B] and context_lens [S] must match q's S={q.shape[0]}; got "
-                         f"{block_tables.shape}, {context_lens.shape}")
+    check_decode_tables(q, block_tables, context_lens, "paged_decode_attention")
     window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "paged_decode_attention")
     return _paged_decode_attention(
         q, k_cache, v_cache, layer, block_tables, context_lens, window, alibi_slopes, sm_scale=float(sm_scale),
