@@ -99,18 +99,16 @@ class Engine:
             logger.info("GPU memory: %.1f GiB on the device, JAX's pool %.1f GiB; planning with %.1f GiB "
                         "(gpu_memory_utilization %s)", memory.total_bytes / 2**30, memory.pool_bytes / 2**30,
                         memory.usable(config.gpu_memory_utilization) / 2**30, config.gpu_memory_utilization)
-        activation_bytes = 0
-        self.activation_bytes = 0  # what the plan reserved for the largest step's temporaries
+        self.activation_bytes = 0  # what the plan reserves for the largest step's temporaries
         if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
             model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
                 info.config.max_position_embeddings
             shapes = StepShapes(info.config, arch, info.dtype, config.block_size, 2, config.max_num_seqs + 1,
                                 self.attention_backend, tp)
-            activation_bytes = measure_activation_bytes(
+            self.activation_bytes = measure_activation_bytes(
                 shapes, config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
                 -(-model_len // config.block_size))
-            self.activation_bytes = activation_bytes
-            logger.info("activation peak of the largest step: %.2f GiB%s", activation_bytes / 2**30,
+            logger.info("activation peak of the largest step: %.2f GiB%s", self.activation_bytes / 2**30,
                         "" if tp is None else " per device")
         if tp is not None:
             logger.info("tensor parallel %d: per device %.3f GiB of weights (%.3f GiB in all) and %d of %d KV "
@@ -123,7 +121,7 @@ class Engine:
         logger.info("sampler state: %d rows x %d tokens = %.1f MiB%s", config.max_num_seqs + 1,
                     info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
         self.plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes,
-                                  activation_bytes, num_devices=1 if tp is None else tp.size,
+                                  self.activation_bytes, num_devices=1 if tp is None else tp.size,
                                   sampler_state_bytes=sampler_bytes,
                                   pool_bytes=None if memory is None else memory.pool_bytes)
         # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU).
