@@ -130,6 +130,26 @@ def device_share(cfg: ModelConfig, size: int, abstract_params: Callable[[ModelCo
     return map_fields(share, abstract_params(stored_config(cfg, size)))
 
 
+def mesh_devices(size: int) -> list[Any]:
+    """The devices a `size`-device mesh takes: the first ones of this process, or, when JAX's
+    runtime spans several processes (multi-host), `size / processes` from each, process by process,
+    so neighbouring mesh positions (and the heaviest collectives' partners) share a host first."""
+    processes = jax.process_count()
+    if processes == 1:
+        return jax.devices()
+    if size % processes:
+        raise ValueError(f"tensor_parallel_size={size} must be a multiple of the {processes} hosts it spans")
+    per_host = size // processes
+    chosen = []
+    for process in range(processes):
+        local = sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+        if len(local) < per_host:
+            raise ValueError(f"tensor_parallel_size={size} over {processes} hosts needs {per_host} devices on each; "
+                             f"node rank {process} has {len(local)}")
+        chosen += local[:per_host]
+    return chosen
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """A `tp` mesh and the model's split over it. Hashable, so it is a static argument of the
@@ -162,8 +182,9 @@ class TensorParallel:
     @classmethod
     def create(cls, cfg: ModelConfig, size: int, devices: list[Any] | None = None,
                expert_parallel: bool = False) -> "TensorParallel":
-        """Split `cfg` over the first `size` devices; ValueError naming the valid sizes otherwise."""
-        devices = list(jax.devices() if devices is None else devices)
+        """Split `cfg` over `size` devices (default: `mesh_devices`); ValueError naming the valid
+        sizes otherwise."""
+        devices = list(mesh_devices(size) if devices is None else devices)
         problems = size_problems(cfg, size, expert_parallel)
         if problems:
             fitting = [n for n in valid_sizes(cfg, expert_parallel=expert_parallel) if n <= max(len(devices), 8)]

@@ -100,6 +100,8 @@ class AsyncEngine:
             raise ValueError(f"AsyncEngine.num_input_workers={num_input_workers} must be >= 1")
         if max_pending_tokens < 1:
             raise ValueError(f"AsyncEngine.max_pending_tokens={max_pending_tokens} must be >= 1")
+        if engine.is_worker:
+            raise ValueError("AsyncEngine serves requests on node rank 0; node ranks 1..N-1 call Engine.run_worker()")
         self.engine = engine
         self.input_processor = engine.input_processor
         self.max_pending_tokens = max_pending_tokens
@@ -125,6 +127,10 @@ class AsyncEngine:
                                                name="paxserve-output", daemon=True)
         self._step_thread.start()
         self._output_thread.start()
+        if engine.cluster is not None:
+            # A lost worker leaves the step thread waiting on a collective that never completes, or
+            # failing: either way the engine is dead, and every waiting request is told so now.
+            engine.cluster.on_lost(self._die)
 
     # ---- state ---------------------------------------------------------------------------------
 

@@ -218,6 +218,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="MoE models: place whole routed experts on the tensor-parallel devices (num_experts / "
                           "tensor-parallel-size each) instead of splitting every expert's width")
     eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    _add_multi_host_flags(serve)
     _add_attention_backend(eng)
     _add_model_source_flags(eng, defaults_in_help=True)
     eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -234,6 +235,29 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="compile a step shape not seen yet off the step thread while a compiled one that covers "
                           "it (at most 4x the work) serves, and the shapes growing batches reach next before they "
                           "do (--no-compile-in-background: compile in the step that needs it)")
+
+
+def _add_multi_host_flags(serve: argparse.ArgumentParser) -> None:
+    hosts = serve.add_argument_group(
+        "multi-host (one model over several machines)",
+        "Start the same command, with the same engine flags, on every host; only --node-rank differs. "
+        "--tensor-parallel-size counts the devices of all hosts (each holds tensor-parallel-size / nnodes). "
+        "Node rank 0 serves the API and schedules; the others run its steps (--headless).")
+    hosts.add_argument("--nnodes", type=_positive_int, default=1, help="hosts the engine spans")
+    hosts.add_argument("--node-rank", type=_non_negative_int, default=0,
+                       help="this host's rank, 0..nnodes-1; rank 0 serves the API")
+    hosts.add_argument("--master-addr", default="127.0.0.1",
+                       help="node rank 0's address, as the other hosts reach it")
+    hosts.add_argument("--master-port", type=_port, default=29501,
+                       help="node rank 0's start-up port; JAX's coordination service takes the next one")
+    hosts.add_argument("--headless", action="store_true",
+                       help="run no API server: this host only runs rank 0's steps (node ranks 1..nnodes-1; "
+                            "implied there)")
+    hosts.add_argument("--distributed-init-timeout", type=_seconds, default=300.0,
+                       help="seconds start-up waits for every rank to join before failing with the missing ranks")
+    hosts.add_argument("--distributed-heartbeat-timeout", type=_seconds, default=10.0,
+                       help="seconds a rank may go unheard (dead, stopped, unreachable) before the others stop: "
+                            "rank 0 then fails its requests, answers 503 and exits with status 1")
 
 
 def _generation_config(text: str) -> str:

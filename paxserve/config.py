@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from paxserve.cluster import ClusterConfig
+
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the Pallas kernel on a GPU, the XLA reference on CPU (see pallas_kernels/dispatch.py).
@@ -60,6 +62,26 @@ class EngineConfig:
     revision: str | None = None
     tokenizer_revision: str | None = None
     code_revision: str | None = None
+    # Multi-host (vLLM's --nnodes, --node-rank, --master-addr, --master-port): every rank builds the
+    # engine with the same settings; rank 0 schedules, the others run its steps (paxserve/cluster.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    distributed_init_timeout: float = 300.0  # seconds start-up waits for every rank
+    distributed_heartbeat_timeout: float = 10.0  # seconds a rank may go unheard before the engine stops
+
+    def cluster_config(self) -> ClusterConfig:
+        return ClusterConfig(self.nnodes, self.node_rank, self.master_addr, self.master_port,
+                             self.distributed_init_timeout, self.distributed_heartbeat_timeout)
+
+    def shared_settings(self) -> dict[str, object]:
+        """The settings every rank of a multi-host engine must agree on (the model's own shape is
+        compared once it is read)."""
+        names = ("max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
+                 "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype", "tensor_parallel_size",
+                 "enable_expert_parallel", "attention_backend", "nnodes")
+        return {name: getattr(self, name) for name in names}
 
     def __post_init__(self) -> None:
         if self.max_model_len not in (None, "auto") and (
@@ -104,3 +126,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 raise ValueError(no_hub_message(f"EngineConfig.{name}", value))
+        try:
+            cluster = self.cluster_config()
+        except ValueError as e:
+            raise ValueError(f"EngineConfig: {e}") from None
+        if cluster.is_multi_host and self.tensor_parallel_size % self.nnodes:
+            raise _bad("tensor_parallel_size", self.tensor_parallel_size,
+                       f"spans all {self.nnodes} hosts (nnodes), so it must be a multiple of nnodes: each host "
+                       "holds tensor_parallel_size / nnodes devices of the mesh")

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from models.loader import cache_root, inspect_model, load_model
 from models.registry import get_architecture
 from models.sharding import TensorParallel, device_share, param_bytes
+from paxserve.cluster import Cluster, PlanChannel
 from paxserve.config import EngineConfig
 from paxserve.engine_core import EngineCore
 from paxserve.engine_io import EngineCoreRequest, EngineSnapshot
@@ -29,9 +30,10 @@ from paxserve.gpu_memory import DeviceMemory, configure_allocator, device_memory
 from paxserve.input_processor import InputProcessor, Prompt
 from paxserve.kv_cache_manager import KVCacheManager
 from paxserve.memory import plan_kv_cache
-from paxserve.model_runner import ModelRunner, zero_kv_cache
+from paxserve.model_runner import STOP, ModelRunner, zero_kv_cache
 from paxserve.output_processor import OutputProcessor
 from paxserve.outputs import RequestOutput
+from paxserve.rendezvous import settings_digest
 from paxserve.sampler import SamplerState
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
 from paxserve.scheduler import Scheduler, SchedulerConfig
@@ -67,6 +69,15 @@ class Engine:
 
         logger.info("GPU memory: %s", configure_allocator(config.gpu_memory_utilization,
                                                           xla_bridge.backends_are_initialized()))
+        # Multi-host: every rank joins before JAX starts its backend (the runtime spans the processes).
+        self.cluster: Cluster | None = None
+        if config.nnodes > 1:
+            if xla_bridge.backends_are_initialized() and not Cluster.is_started():
+                raise ValueError("a multi-host engine (nnodes > 1) must be built before anything else starts JAX in "
+                                 "its process: JAX's distributed runtime cannot join once a backend is running")
+            self.cluster = Cluster.join(config.cluster_config(), settings_digest(config.shared_settings()))
+        # Rank 0's device calls go to the workers before it makes them (`paxserve.worker`).
+        self._channel: PlanChannel | None = None if self.cluster is None else self.cluster.channel()
         if config.trust_remote_code:
             logger.warning("--trust-remote-code / trust_remote_code=True has no effect: paxserve never runs code "
                            "from a checkpoint and loads only the architectures it implements")
@@ -77,6 +88,8 @@ class Engine:
         # Step programs are kept in the engine's own store (paxserve/programs.py), loaded without
         # tracing; JAX's persistent cache would only hand back executables that cannot be stored.
         info = inspect_model(model, config.dtype)
+        if self._channel is not None:
+            self._check_same_model(self._channel, f"{info.config!r}|{info.dtype}")
         arch = get_architecture(info.config.architecture)
         # Checked before anything loads: a size the model cannot split fails naming the valid ones.
         tp = TensorParallel.create(info.config, config.tensor_parallel_size,
@@ -124,6 +137,17 @@ class Engine:
                                   self.activation_bytes, num_devices=1 if tp is None else tp.size,
                                   sampler_state_bytes=sampler_bytes,
                                   pool_bytes=None if memory is None else memory.pool_bytes)
+        if self.cluster is not None and self._channel is not None:
+            # Every rank holds the same block ids: all take the smallest rank's plan.
+            blocks = [int(b) for b in self._channel.gather("kv_blocks", str(self.plan.num_blocks))]
+            if min(blocks) != self.plan.num_blocks:
+                self.plan = plan_kv_cache(local_cfg, replace(config, num_gpu_blocks_override=min(blocks)),
+                                          info.dtype.itemsize, weight_bytes, device_bytes, self.activation_bytes,
+                                          num_devices=tp.size if tp is not None else 1,
+                                          sampler_state_bytes=sampler_bytes)
+            logger.info("multi-host: node rank %d of %d; KV cache of %d blocks on every rank (the smallest plan, "
+                        "node rank %d's; each planned %s)", self.cluster.rank, self.cluster.nnodes,
+                        self.plan.num_blocks, blocks.index(min(blocks)), blocks)
         # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU).
         kv_zeroing = zero_kv_cache(local_cfg, self.plan.num_blocks, config.block_size, info.dtype) \
             if tp is None else None
@@ -145,10 +169,16 @@ class Engine:
         )
         store = None if config.compilation_cache_dir == "" else Path(config.compilation_cache_dir or
                                                                       cache_root() / "programs")
+        if self.cluster is not None and store is not None:
+            # A program over several processes' devices is not one to serialize and reload as it is.
+            logger.info("multi-host: step programs are compiled at every start, not stored")
+            store = None
         self.runner = ModelRunner(self.model, self.plan.num_blocks, config.block_size, self.max_model_len,
                                   attention_backend=self.attention_backend, max_num_seqs=config.max_num_seqs,
                                   program_store=store, background_compile=config.compile_in_background,
-                                  kv_cache=None if kv_zeroing is None else kv_zeroing.result())
+                                  kv_cache=None if kv_zeroing is None else kv_zeroing.result(),
+                                  plan_sink=self._channel.send if self._channel is not None and not self.is_worker
+                                  else None)
         self.stats = StatsLogger(config.log_stats_interval)
         async_scheduling = config.async_scheduling
         platform = jax.devices()[0].platform
@@ -160,7 +190,7 @@ class Engine:
         else:
             why = "as asked"
         self.core = EngineCore(self.runner, self.kv, self.scheduler, self.model_config.vocab_size, self.stats,
-                               async_scheduling=async_scheduling)
+                               async_scheduling=async_scheduling, isolate_failed_steps=self.cluster is None)
         logger.info("%s (%s)", "async scheduling: each step is built while the previous one runs on the device"
                     if async_scheduling else "synchronous scheduling: each step runs to the end before the next", why)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
@@ -284,6 +314,43 @@ class Engine:
                 self.abort(rid)
             raise
         return [results[rid] for rid in ids]
+
+    # ---- multi-host ----------------------------------------------------------------------------
+
+    @property
+    def is_worker(self) -> bool:
+        """A rank 1..N-1 of a multi-host engine: it runs rank 0's steps (`run_worker`), not requests."""
+        return self.cluster is not None and self.cluster.rank != 0
+
+    def run_worker(self) -> int:
+        """On ranks 1..N-1: run rank 0's steps until rank 0 closes the engine; returns how many ran."""
+        if not self.is_worker or self._channel is None:
+            raise ValueError("run_worker is for node ranks 1..N-1 of a multi-host engine (nnodes > 1, node_rank > 0)")
+        from paxserve.worker import run_worker
+
+        return run_worker(self.runner, self._channel)
+
+    def close(self) -> None:
+        """On rank 0 of a multi-host engine: tell the workers this engine is done (they return from
+        `run_worker`). Elsewhere, nothing to do."""
+        if self.cluster is None or self.is_worker or self._channel is None or self.cluster.lost:
+            return
+        try:
+            self._channel.send((STOP,))
+        except Exception as e:  # noqa: BLE001 - the workers are gone already: nothing to tell
+            logger.warning("multi-host: could not tell the workers to stop (%s)", e)
+        self._channel = None
+
+    @staticmethod
+    def _check_same_model(channel: PlanChannel, description: str) -> None:
+        import hashlib
+
+        digest = hashlib.sha256(description.encode()).hexdigest()[:16]
+        digests = channel.gather("model", digest)
+        others = [rank for rank, d in enumerate(digests) if d != digests[0]]
+        if others:
+            raise ValueError(f"node rank(s) {', '.join(map(str, others))} loaded a model of another shape or dtype "
+                             f"than node rank 0: every rank must be given the same checkpoint")
 
     # ---- start-up ------------------------------------------------------------------------------
 

@@ -55,7 +55,9 @@ class EngineCore:
     """Not thread-safe: one thread (the step loop, or the offline `Engine`) calls everything."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, vocab_size: int,
-                 stats: StatsLogger, async_scheduling: bool = False) -> None:
+                 stats: StatsLogger, async_scheduling: bool = False, isolate_failed_steps: bool = True) -> None:
+        """`isolate_failed_steps=False` (a multi-host engine): a failed step raises instead of failing
+        only its requests, since the other ranks' caches and programs can no longer be kept in step."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -69,6 +71,7 @@ class EngineCore:
         self.num_kv_cache_resets = 0
         self.last_num_scheduled = 0  # sequences the last step ran (0: nothing could run)
         self.async_scheduling = async_scheduling
+        self.isolate_failed_steps = isolate_failed_steps
         self._in_flight: _Flight | None = None
 
     # ---- requests ------------------------------------------------------------------------------
@@ -271,6 +274,9 @@ class EngineCore:
                    requests: list[Request | None] | None = None) -> list[SampleOutput]:
         """`requests`: the step's requests still unfinished, when it ran behind later schedules."""
         self.num_failed_steps += 1
+        if not self.isolate_failed_steps:
+            raise RuntimeError(f"a model step failed on a multi-host engine, which cannot recover from it (the ranks "
+                               f"are no longer in step): {type(error).__name__}: {error}") from error
         if requests is None:
             requests = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
         failed = [r for r in requests if r is not None]

@@ -16,7 +16,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 # A step may run in a compiled bucket that costs up to this many times its own (tokens x sequences
 # x block width) while its own compiles in the background; a larger one is not worth it.
 _COVER_COST = 4
+# The device calls a multi-host rank 0 publishes (`plan_sink`), and the end of its engine.
+WRITE_STATE, DISPATCH, STOP = "write_state", "dispatch", "stop"
 
 
 @dataclass(slots=True)
@@ -88,12 +90,13 @@ class ModelRunner:
     `program_store`: a directory for compiled programs (None: compile in this process only);
     `background_compile`: compile a missing bucket off the step thread while a covering one serves;
     `kv_cache`: a zeroed cache made beforehand (`zero_kv_cache`, while the weights loaded), else one
-    is made here."""
+    is made here; `plan_sink`: on rank 0 of a multi-host engine, where each device call's plain
+    inputs go before the call is made, for the workers to make it too (`paxserve.worker`)."""
 
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None,
                  attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256,
                  program_store: Path | None = None, background_compile: bool = False,
-                 kv_cache: KVCache | None = None) -> None:
+                 kv_cache: KVCache | None = None, plan_sink: Callable[[tuple], None] | None = None) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
@@ -125,6 +128,7 @@ class ModelRunner:
         self.tokens_run = 0
         self.tokens_real = 0
         self._all_allowed: dict[int, jax.Array] = {}  # the bitmask of steps without constrained rows, by S
+        self._plan_sink = plan_sink
 
     def _new_kv_cache(self) -> KVCache:
         cfg, tp = self.model.config, self.model.tp
@@ -313,11 +317,13 @@ class ModelRunner:
         """Float32 logits [num_seqs, vocab] for the real sequences of `batch` (tests, greedy tools)."""
         logits, self.kv_cache = jitted_logits(self.model.architecture.forward)(
             *self._forward_args(batch), **self.shapes.statics())
-        return np.asarray(logits[: batch.num_seqs])
+        return _host_copy(logits)[: batch.num_seqs]
 
     def write_sampler_state(self, writes: StateWrites) -> None:
         """Set the state rows of requests that start running (before the step that first samples
         them)."""
+        if self._plan_sink is not None:
+            self._plan_sink((WRITE_STATE, writes))
         self.sampler_state = write_state_rows_step(self.sampler_state, *state_writes_args(writes))
 
     def dispatch(self, batch: Batch, sampling: SamplingInputs,
@@ -325,6 +331,8 @@ class ModelRunner:
         """Start one step on the device (the forward, then sampling there) and return without
         waiting for it: JAX runs it while the host goes on. With `prompt`, the forward keeps logits
         at every position and the sampler scores them too."""
+        if self._plan_sink is not None:
+            self._plan_sink((DISPATCH, batch, sampling, prompt))
         t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
         self.tokens_run += t
         self.tokens_real += batch.num_tokens
@@ -344,9 +352,19 @@ class ModelRunner:
 
     def collect(self, step: DeviceStep) -> tuple[SampledTokens, np.ndarray | None]:
         """Wait for a dispatched step and copy its results to the host (the step's one copy)."""
-        flat = np.asarray(step.packed)
+        flat = _host_copy(step.packed)
         if step.num_prompt_positions is None:
             return unpack(flat, step.num_seqs), None
         num_sampled = step.num_rows * PACKED_WIDTH
         sampled = unpack(flat[:num_sampled].reshape(step.num_rows, PACKED_WIDTH), step.num_seqs)
         return sampled, flat[num_sampled:].reshape(step.num_prompt_positions, PROMPT_PACKED_WIDTH)
+
+
+def _host_copy(array: jax.Array) -> np.ndarray:
+    """A replicated result on the host. Across hosts its copies are not all this process's to read;
+    the local one is the same (every device computed it alike)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    if not array.sharding.is_fully_replicated:
+        raise ValueError(f"a step result is split over hosts ({array.sharding}); only replicated results are read")
+    return np.asarray(array.addressable_data(0))

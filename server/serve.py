@@ -52,6 +52,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, generation_config=args.generation_config,
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        distributed_init_timeout=args.distributed_init_timeout,
+        distributed_heartbeat_timeout=args.distributed_heartbeat_timeout,
         **({"log_stats_interval": 0} if args.disable_log_stats else {}),
     )
 
@@ -79,6 +82,8 @@ def run_server(args: argparse.Namespace) -> int:
     from paxserve.config import EngineConfig
 
     EngineConfig(model=args.model, **engine_kwargs(args))  # invalid settings fail before JAX is imported
+    if args.headless and args.node_rank == 0:
+        raise ValueError("--headless is for node ranks 1..nnodes-1: node rank 0 serves the API")
     chat_template = _chat_template(args.chat_template)  # fail on a bad template before loading anything
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
@@ -89,6 +94,11 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("paxserve %s: loading %s", _version(), args.model or f"the bundled {DEFAULT_MODEL_NAME}")
     engine = Engine(args.model, **engine_kwargs(args))
     ready = time.perf_counter() - start
+    if engine.is_worker:
+        logger.info("node rank %d ready in %.1fs: headless, running node rank 0's steps", args.node_rank, ready)
+        engine.run_worker()
+        logger.info("paxserve stopped (node rank 0 closed the engine)")
+        return 0
     if chat_template is None and engine.tokenizer is not None and not engine.tokenizer.chat_template:
         logger.warning("the model has no chat template: /v1/chat/completions will answer 400 (pass --chat-template)")
     plan = engine.plan
@@ -110,6 +120,7 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         # A dead engine's threads are gone or stuck in a step: do not wait for them.
         async_engine.shutdown(timeout=30.0 if async_engine.is_alive else 0.5)
+        engine.close()  # multi-host: the workers stop with it
     if code == 0:
         logger.info("paxserve stopped")
     else:

@@ -1,0 +1,55 @@
+"""One rank of a two-process engine (2 simulated CPU devices each), for test_multihost.py.
+
+    python multihost_probe.py RANK MASTER_PORT OUT MODEL_DIR [MODEL_DIR ...]
+
+Each model in turn: every rank builds the engine with the same settings (tensor parallel 4 over the
+two processes); rank 0 completes the requests of `multihost_args` and writes them, with
+what the engine decided, to OUT.rank0.json; rank 1 runs rank 0's steps until rank 0 closes the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    + ["--xla_force_host_platform_device_count=2"])
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.paxserve.multihost_args import ENGINE_ARGS, PROMPTS, sampling_params  # noqa: E402
+
+
+def main() -> int:
+    rank, port, out_path, models = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+    logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s: %(message)s")
+    import jax
+
+    from paxserve import Engine
+
+    results = {}
+    for model in models:
+        engine = Engine(model, **ENGINE_ARGS, nnodes=2, node_rank=rank, master_port=port,
+                        distributed_init_timeout=60)
+        if engine.is_worker:
+            results[model] = {"worker_steps": engine.run_worker()}
+            continue
+        outs = engine.generate(PROMPTS, sampling_params(), use_tqdm=False)
+        results[model] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "mesh": [[d.process_index, d.id] for d in engine.model.tp.mesh.devices.flat],
+            "kv_blocks": engine.plan.num_blocks,
+            "blocks_free": engine.kv.num_free_blocks,
+            "buckets": sorted(engine.runner.compiled),
+        }
+        engine.close()
+    out_path.with_suffix(f".rank{rank}.json").write_text(json.dumps(
+        {"devices": jax.device_count(), "local": jax.local_device_count(), "models": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
