@@ -32,10 +32,11 @@ from paxserve.rendezvous import Rendezvous
 logger = logging.getLogger(__name__)
 
 _PREFIX = "paxserve"
-# Plan messages rank 0 keeps in the store behind the newest. Workers cannot fall further behind: each
-# engine step sends at most two, and every forward waits on all ranks in its collectives, so a worker
-# is never more than the steps in flight (two) behind.
-_KEEP_MESSAGES = 64
+# Plan messages live in folders of this many; rank 0 deletes a folder (one call) when it starts the
+# folder after next, so at least this many messages stay behind the newest. Workers cannot fall that
+# far behind: each engine step sends at most two, and every forward waits on all ranks in its
+# collectives, so a worker is never more than the steps in flight (two) behind.
+_FOLDER = 64
 _POLL_MS = 1000  # a worker's wait for the next plan message between liveness checks
 # One counter per process: engines built one after another in the same processes (tests, tools) get
 # their own channels, in the same order on every rank.
@@ -218,7 +219,7 @@ class PlanChannel:
         self._next = 0
 
     def _key(self, index: int) -> str:
-        return f"{self._namespace}/plan/{index}"
+        return f"{self._namespace}/plan/{index // _FOLDER}/{index}"
 
     def gather(self, name: str, value: str) -> list[str]:
         """Every rank's `value` for `name`, by rank (each rank of the engine calls it with the same
@@ -238,8 +239,9 @@ class PlanChannel:
         payload = zlib.compress(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), 1)
         client = self.cluster._client
         client.key_value_set_bytes(self._key(self._next), payload)
-        if self._next >= _KEEP_MESSAGES:
-            client.key_value_delete(self._key(self._next - _KEEP_MESSAGES))
+        folder, index = divmod(self._next, _FOLDER)
+        if index == 0 and folder >= 2:
+            client.key_value_delete(f"{self._namespace}/plan/{folder - 2}")  # the folder and every key in it
         self._next += 1
 
     def receive(self) -> tuple:
