@@ -49,7 +49,7 @@ __all__ = ["Engine", "Prompt"]
 def _device_memory() -> DeviceMemory | None:
     """The accelerator's total memory and JAX's pool on it, or None on CPU (the KV cache then uses
     a host budget)."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # this host's (another host's devices cannot be queried)
     if device.platform == "cpu":
         return None
     return device_memory(device.memory_stats())
@@ -104,7 +104,7 @@ class Engine:
             config.attention_backend, jax.devices()[0].platform, num_heads=local_cfg.num_heads,
             num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
             dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
-            compute_capability=getattr(jax.devices()[0], "compute_capability", None))
+            compute_capability=getattr(jax.local_devices()[0], "compute_capability", None))
         logger.info("attention backend: %s", self.attention_backend)
         memory = _device_memory()
         device_bytes = None if memory is None else memory.total_bytes

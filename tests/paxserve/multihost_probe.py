@@ -20,7 +20,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=2"])
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.paxserve.multihost_args import ENGINE_ARGS, PROMPTS, sampling_params  # noqa: E402
+from tests.paxserve.multihost_args import ENGINE_ARGS, PROMPTS, logprob_rows, sampling_params  # noqa: E402
 
 
 def main() -> int:
@@ -40,6 +40,7 @@ def main() -> int:
         outs = engine.generate(PROMPTS, sampling_params(), use_tqdm=False)
         results[model] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": logprob_rows(outs[1]),
             "mesh": [[d.process_index, d.id] for d in engine.model.tp.mesh.devices.flat],
             "kv_blocks": engine.plan.num_blocks,
             "blocks_free": engine.kv.num_free_blocks,

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,14 @@ from paxserve.config import EngineConfig
 from paxserve.rendezvous import Rendezvous, RendezvousError, settings_digest
 from tests.helpers import make_tiny_llama
 from tests.models.family_checkpoints import make_family_checkpoint
-from tests.paxserve.multihost_args import ENGINE_ARGS, GREEDY_ROWS, PROMPTS, STEPS, sampling_params
+from tests.paxserve.multihost_args import (
+    ENGINE_ARGS,
+    GREEDY_ROWS,
+    PROMPTS,
+    STEPS,
+    logprob_rows,
+    sampling_params,
+)
 
 PROBE = Path(__file__).with_name("multihost_probe.py")
 RUN_TIMEOUT_S = 300
@@ -97,8 +105,11 @@ def test_two_processes_give_a_single_process_tokens_at_tp_4_and_transformers(
     assert rank1["models"][str(directory)]["worker_steps"] >= STEPS
 
     single = Engine(str(directory), **ENGINE_ARGS)
-    want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, sampling_params(), use_tqdm=False)]
-    assert got["tokens"] == want
+    outs = single.generate(PROMPTS, sampling_params(), use_tqdm=False)
+    assert got["tokens"] == [o.outputs[0].token_ids for o in outs]
+    want_logprobs = logprob_rows(outs[1])
+    assert len(got["logprobs"]) == STEPS + len(PROMPTS[1]) - 1
+    assert np.allclose(np.concatenate(got["logprobs"]), np.concatenate(want_logprobs), atol=1e-4)
     assert sorted(map(list, single.runner.compiled)) == got["buckets"]
     for row in GREEDY_ROWS:
         prompt = PROMPTS[row]
@@ -107,7 +118,7 @@ def test_two_processes_give_a_single_process_tokens_at_tp_4_and_transformers(
                               max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert got["tokens"][row] == ref[0, len(prompt):].tolist()
     report(f"{family}: 2 processes x 2 devices = a single process at TP 4 for {len(PROMPTS)} requests "
-           f"(greedy, penalised, seeded), = transformers on the greedy ones")
+           f"(greedy, penalised, seeded; logprobs within 1e-4), = transformers on the greedy ones")
 
 
 # ---- the start-up rendezvous (no JAX: plain sockets) ------------------------------------------------
