@@ -132,6 +132,8 @@ def measure(directory: Path, batch: int, context: int, steps: int) -> float:
     running = engine.scheduler.running
     while len(running) < batch or not all(r.output_token_ids for r in running):
         engine.step()  # prefill (through the stub) until every request decodes
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("every request ended before decoding: the stubbed step failed (see the log)")
     times = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -418,6 +418,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"paxserve: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from paxserve.cluster import WorkerLostError
+        from paxserve.rendezvous import RendezvousError
+
+        if not isinstance(e, (RendezvousError, WorkerLostError)):
+            raise
+        # Multi-host start-up: the ranks did not all come, or one was lost; the message names it.
+        print(f"paxserve: error: {e}", file=sys.stderr)
+        return 1
     return 1
 
 

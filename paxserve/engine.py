@@ -60,6 +60,10 @@ class Engine:
 
     `Engine()` serves the bundled SmolLM2-135M-Instruct; keyword arguments are `EngineConfig`'s
     (vLLM's names: max_model_len, gpu_memory_utilization, block_size, max_num_seqs, ...).
+
+    Over several hosts (`nnodes`, `node_rank`, `master_addr`, `master_port`), every rank builds the
+    engine with the same arguments; rank 0 then uses it as usual and calls `close()` at the end,
+    the others call `run_worker()`, which runs rank 0's steps until then.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

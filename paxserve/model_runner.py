@@ -363,7 +363,7 @@ class ModelRunner:
 def _host_copy(array: jax.Array) -> np.ndarray:
     """A replicated result on the host. Across hosts its copies are not all this process's to read;
     the local one is the same (every device computed it alike)."""
-    if array.is_fully_addressable:
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
         return np.asarray(array)
     if not array.sharding.is_fully_replicated:
         raise ValueError(f"a step result is split over hosts ({array.sharding}); only replicated results are read")

@@ -97,3 +97,13 @@ def test_worker_flags_are_checked_before_anything_starts() -> None:
     done = subprocess.run([*paxserve_command(), "serve", "--nnodes", "2", "--node-rank", "1",
                            "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "must be a multiple of nnodes" in done.stderr, done.stderr
+
+
+def test_rank_0_alone_gives_up_naming_the_rank_that_never_came() -> None:
+    start = time.monotonic()
+    done = subprocess.run([*paxserve_command(), "serve", "--nnodes", "2", "--node-rank", "0", "-tp", "2",
+                           "--master-port", str(free_port()), "--distributed-init-timeout", "2"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **_two_device_env()})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "paxserve: error: node rank(s) 1 of 2 did not join within 2s" in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - start < 60
