@@ -1,6 +1,6 @@
 """`paxserve serve` over two processes on this machine (2 simulated CPU devices each, loopback, gloo):
 node rank 0 serves the API and schedules, node rank 1 runs headless. Driven by the openai client, it
-answers what one process gives; killing the worker mid-request ends the request with an error, new
+answers what transformers gives; killing the worker mid-request ends the request with an error, new
 requests get 503 and rank 0 exits with status 1 on its own."""
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+import torch
 
 from conftest import ServerProcess, free_port, paxserve_command
-from paxserve import Engine, SamplingParams
+from transformers import AutoTokenizer
 from tests.helpers import make_tiny_llama
 from tests.paxserve.tiny_checkpoints import MODEL_VOCAB, save_byte_tokenizer
 
@@ -31,36 +33,41 @@ def _two_device_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     directory = tmp_path_factory.mktemp("tiny-multihost-server")
-    make_tiny_llama(directory, seed=6, vocab_size=MODEL_VOCAB, num_key_value_heads=2, max_position_embeddings=512)
-    return save_byte_tokenizer(directory)
+    hf = make_tiny_llama(directory, seed=6, vocab_size=MODEL_VOCAB, num_key_value_heads=2, max_position_embeddings=512)
+    return hf, save_byte_tokenizer(directory)
 
 
-def test_two_hosts_serve_one_processs_answers_and_a_killed_worker_ends_in_503s_and_exit(model_dir: Path) -> None:
-    single = Engine(str(model_dir), max_model_len=256, kv_cache_memory_bytes=32 * 2**20, block_size=32, warmup=False,
-                    log_stats_interval=0, compilation_cache_dir="")
-    want = single.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].text
+def test_two_hosts_serve_transformers_answer_and_a_killed_worker_ends_in_503s_and_exit(
+        model_dir: tuple[Any, Path]) -> None:
+    hf, directory = model_dir
+    # transformers' greedy tokens (no engine compile in this process: the two ranks need the cores).
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = tokenizer.decode(ref[0, len(ids):].tolist())
     port = free_port()
     hosts = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     env = {**os.environ, **_two_device_env()}
-    worker = subprocess.Popen([*paxserve_command(), "serve", "--model", str(model_dir), *ENGINE_FLAGS, *hosts,
+    worker = subprocess.Popen([*paxserve_command(), "serve", "--model", str(directory), *ENGINE_FLAGS, *hosts,
                                "--node-rank", "1", "--headless"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, errors="replace", env=env)
-    srv = ServerProcess(["--model", str(model_dir), *ENGINE_FLAGS, *hosts, "--node-rank", "0"], env=_two_device_env())
+    srv = ServerProcess(["--model", str(directory), *ENGINE_FLAGS, *hosts, "--node-rank", "0"], env=_two_device_env())
     try:
         srv.start()
         log = srv.stderr_text()
         assert "node rank 1 joined" in log and "node rank 0 of 2; KV cache of" in log, log
         assert "tensor parallel over 4 devices" in log, log
         client = srv.client(timeout=60)
-        out = client.completions.create(model=str(model_dir), prompt=PROMPT, max_tokens=12, temperature=0.0,
+        out = client.completions.create(model=str(directory), prompt=PROMPT, max_tokens=12, temperature=0.0,
                                         extra_body={"ignore_eos": True})
         assert out.choices[0].text == want
 
         # Two long streams, both running; then the worker is killed.
-        streams = [iter(client.completions.create(model=str(model_dir), prompt=PROMPT, max_tokens=150,
+        streams = [iter(client.completions.create(model=str(directory), prompt=PROMPT, max_tokens=150,
                                                   temperature=0.0, stream=True, extra_body={"ignore_eos": True}))
                    for _ in range(2)]
         for stream in streams:
@@ -73,7 +80,7 @@ def test_two_hosts_serve_one_processs_answers_and_a_killed_worker_ends_in_503s_a
                     pass
         # Until it has gone, rank 0 refuses new work with 503 (then connections are refused).
         try:
-            client.completions.create(model=str(model_dir), prompt=PROMPT, max_tokens=2)
+            client.completions.create(model=str(directory), prompt=PROMPT, max_tokens=2)
             raise AssertionError("a request to a server whose worker died was answered")
         except openai.APIStatusError as e:
             assert e.status_code == 503, e
