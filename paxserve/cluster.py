@@ -121,8 +121,7 @@ class Cluster:
                 raise ValueError("JAX's distributed runtime is already started in this process with other settings; "
                                  "one process joins one multi-host engine group")
             return cluster
-        Rendezvous(config.nnodes, config.node_rank, config.master_addr, config.master_port,
-                   config.init_timeout_s).meet(settings_digest)
+        Rendezvous(config).meet(settings_digest)
         # CPU devices exchange collectives over gloo (JAX's default CPU runtime has none across
         # processes); GPUs use NCCL whatever this says.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -234,8 +233,9 @@ class PlanChannel:
             raise WorkerLostError(f"node rank {rank}: not every rank reached start-up step {name!r} within "
                                   f"{config.init_timeout_s:.0f}s ({str(e).splitlines()[0]})") from None
 
-    def send(self, message: tuple) -> None:
-        """Rank 0: publish the next message (plain data: numpy arrays, dataclasses of them)."""
+    def send(self, message: tuple) -> int:
+        """Rank 0: publish the next message (plain data: numpy arrays, dataclasses of them); returns
+        its size in bytes as sent."""
         payload = zlib.compress(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), 1)
         client = self.cluster._client
         client.key_value_set_bytes(self._key(self._next), payload)
@@ -243,6 +243,7 @@ class PlanChannel:
         if index == 0 and folder >= 2:
             client.key_value_delete(f"{self._namespace}/plan/{folder - 2}")  # the folder and every key in it
         self._next += 1
+        return len(payload)
 
     def receive(self) -> tuple:
         """A worker: the next message, waiting as long as rank 0 is alive (WorkerLostError once it is

@@ -17,7 +17,10 @@ import json
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # cluster.py imports this module; the config is only read here
+    from paxserve.cluster import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,25 +31,16 @@ class RendezvousError(RuntimeError):
     """The ranks could not all meet (the message says which one and why)."""
 
 
-@dataclass(frozen=True, slots=True)
 class Rendezvous:
-    nnodes: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    timeout_s: float
+    """One rank's side of the meeting, for a `ClusterConfig` (which has checked the ranks, the port
+    and the timeout)."""
 
-    def __post_init__(self) -> None:
-        if self.nnodes < 2:
-            raise ValueError(f"nnodes must be >= 2 for a rendezvous, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, {self.nnodes - 1}] for nnodes={self.nnodes}, got "
-                             f"{self.node_rank}")
-        if not 1 <= self.master_port <= 65534:
-            raise ValueError(f"master_port must be in [1, 65534] (the next port is JAX's coordination service), "
-                             f"got {self.master_port}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"the rendezvous timeout must be > 0 seconds, got {self.timeout_s}")
+    def __init__(self, config: ClusterConfig) -> None:
+        if not config.is_multi_host:
+            raise ValueError(f"a rendezvous needs nnodes >= 2, got {config.nnodes}")
+        self.nnodes, self.node_rank = config.nnodes, config.node_rank
+        self.master_addr, self.master_port = config.master_addr, config.master_port
+        self.timeout_s = config.init_timeout_s
 
     def meet(self, digest: str) -> None:
         """Block until every rank is here with the same `digest`, or raise RendezvousError."""

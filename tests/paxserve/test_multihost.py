@@ -130,7 +130,8 @@ def _meet_all(ranks: list[int], nnodes: int, digests: dict[int, str], timeout: f
 
     def run(rank: int) -> None:
         try:
-            Rendezvous(nnodes, rank, "127.0.0.1", port, timeout).meet(digests.get(rank, digests[0]))
+            config = ClusterConfig(nnodes, rank, "127.0.0.1", port, init_timeout_s=timeout)
+            Rendezvous(config).meet(digests.get(rank, digests[0]))
             outcomes[rank] = "ok"
         except RendezvousError as e:
             outcomes[rank] = str(e)
