@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
-from gguf import quants
+
+from models.optional_import import import_for
 
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
@@ -128,6 +128,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        gguf = import_for("gguf", "reading GGUF files")
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # the gguf reader raises assorted errors on damaged files
@@ -352,6 +353,7 @@ class GGUFCheckpoint:
         gate and up experts concatenated (`Qwen2MoeTensorProcessor`)."""
         spec, parts = self._spec(), self._tensors[name]
         shape = self.shape(name)
+        quants = import_for("gguf.quants", "reading GGUF files", "gguf")
         arrays = [quants.dequantize(t.data, t.tensor_type).reshape(self._stored_shape(t)) for t in parts]
         w = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)).reshape(shape)
         if spec.permuted_qk and ".self_attn.q_proj." in name:

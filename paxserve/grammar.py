@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from models.optional_import import MissingPackageError, import_for
 from paxserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,16 @@ logger = logging.getLogger(__name__)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_SIZE = 256
+
+
+def _llguidance(module: str = "llguidance") -> Any:
+    """llguidance (or one of its modules); without it a constraint is a GrammarError that says so,
+    never an import failure of the engine (the GPU image, for one, has no llguidance)."""
+    try:
+        return import_for(module, "structured outputs (response_format, structured_outputs, guided_*, tools)",
+                          "llguidance")
+    except MissingPackageError as e:
+        raise GrammarError(str(e)) from None
 
 
 class GrammarError(ValueError):
@@ -50,7 +61,7 @@ class CompiledGrammar:
 
 def grammar_source(params: StructuredOutputsParams) -> str:
     """The llguidance grammar text of a constraint."""
-    import llguidance
+    llguidance = _llguidance()
 
     kind, text = params.key
     if kind == "json":
@@ -91,10 +102,9 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> Any:
         with self._lock:
             if self._ll_tokenizer is None:
-                import llguidance.hf
-
+                hf = _llguidance("llguidance.hf")
                 start = time.perf_counter()
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+                self._ll_tokenizer = hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
                 logger.info("structured outputs: llguidance token table for %d tokens built in %.2fs",
                             self.vocab_size, time.perf_counter() - start)
             return self._ll_tokenizer
@@ -125,7 +135,7 @@ class GrammarCompiler:
             raise
 
     def _build(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        import llguidance
+        llguidance = _llguidance()
 
         start = time.perf_counter()
         try:
