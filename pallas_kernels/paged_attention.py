@@ -43,7 +43,7 @@ from pallas_kernels.kernel_checks import (
 )
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention import _SQUEEZED
+from pallas_kernels.ragged_paged_attention import _DOT_PRECISION, _SQUEEZED
 
 __all__ = ["PagedDecodeAttentionConfig", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -130,7 +130,7 @@ def _kernel(
         load_mask = jnp.broadcast_to(key_ok[:, None], (kv_tokens, head_dim))
         k = plgpu.load(k_ref.at[where], mask=load_mask, other=0)
         v = plgpu.load(v_ref.at[where], mask=load_mask, other=0)
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_DOT_PRECISION)
         if alibi:  # before the scale, as Hugging Face Falcon adds it; the query sits at ctx - 1
             scores += slope[:, None] * (key_pos - (ctx - 1)).astype(jnp.float32)[None, :]
         scores = scores * sm_scale
@@ -141,7 +141,7 @@ def _kernel(
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         correction = jnp.exp(m_prev - m_safe)
         p = jnp.exp(scores - m_safe[:, None])
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=_DOT_PRECISION)
         return m_next, correction * l_prev + jnp.sum(p, axis=1), correction[:, None] * acc_prev + pv
 
     init = (

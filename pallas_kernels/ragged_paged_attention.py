@@ -33,9 +33,12 @@ their slots is already a single pass over the new tokens with no extra traffic; 
 kernel cannot beat it unless fused into the attention kernel itself, which would serialise the
 write behind the attention grid (every query block of a chunk needs the whole chunk written first).
 
-Dot products are `lax.dot_general` with `preferred_element_type=float32` (float32 inputs use IEEE
-precision in the Triton lowering), so the kernel body is backend-neutral and also runs under
-`interpret=True` on CPU; the Triton lowering is selected by passing Triton compiler params.
+Dot products are `lax.dot_general` with `preferred_element_type=float32` and `precision=HIGHEST`,
+so the kernel body is backend-neutral and also runs under `interpret=True` on CPU; the Triton
+lowering is selected by passing Triton compiler params. Why HIGHEST: Pallas' Triton lowering runs
+a float32 dot without an explicit precision as TF32 (relative error near 3e-4), which the float32
+tolerance of the start-up self-check and of gpu_check (1e-5) rightly rejects; HIGHEST lowers to
+IEEE float32 there. For 16-bit inputs it changes nothing (they multiply exactly into float32).
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ __all__ = [
 
 # `pl.squeezed` is the newer spelling of a squeezed block dimension; `None` is the older one.
 _SQUEEZED = getattr(pl, "squeezed", None)
+# IEEE float32 for float32 inputs in the Triton lowering (its default is TF32); see the docstring.
+_DOT_PRECISION = jax.lax.Precision.HIGHEST
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,7 @@ def _kernel(
             v = plgpu.load(v_ref.at[where], mask=load_mask, other=0)
 
             scores = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_DOT_PRECISION
             )  # [rows, kv_tokens]
             if alibi:  # before the scale, as Hugging Face Falcon adds it
                 scores += slope[:, None] * (key_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
@@ -194,7 +199,7 @@ def _kernel(
             p = jnp.exp(scores - m_safe[:, None])
             l_next = correction * l_prev + jnp.sum(p, axis=1)
             pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=_DOT_PRECISION
             )
             return m_next, l_next, correction[:, None] * acc_prev + pv
 

@@ -278,3 +278,41 @@ def test_lowers_for_cuda_decode_shapes_and_odd_sizes() -> None:
     assert_lowers(256, 256, 64, 16, 8, 4, 128, jnp.bfloat16, sm_scale=0.0883)
     assert_lowers(1, 1, 1, 16, 8, 4, 128, jnp.bfloat16, sm_scale=0.0883)
     assert_lowers(37, 5, 7, 8, 3, 2, 64, jnp.float16, sm_scale=0.125)
+
+
+def _kernel_dots(jaxpr: jax.extend.core.Jaxpr) -> list[jax.extend.core.JaxprEqn]:
+    """Every dot_general inside the pallas_call bodies of `jaxpr` (recursively)."""
+    dots = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            dots.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    dots.extend(_kernel_dots(inner))
+    return dots
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_float32_dots_ask_for_ieee_precision_not_tf32(decode_only: bool) -> None:
+    """Pallas' Triton lowering runs a float32 dot with DEFAULT precision as TF32 (error ~3e-4, above
+    the 1e-5 float32 tolerance of the self-check and gpu_check); HIGHEST lowers to IEEE. Checked on
+    the kernels' own jaxprs, since the Triton IR is opaque in the lowered text."""
+    from pallas_kernels.paged_attention import paged_decode_attention
+
+    q = jax.ShapeDtypeStruct((8, 8, 64), jnp.float32)
+    cache = jax.ShapeDtypeStruct((1, 16, 16, 2, 64), jnp.float32)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    if decode_only:
+        fn = lambda q, k, v, bt, cl: paged_decode_attention(q, k, v, 0, bt, cl, sm_scale=0.1)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(q, cache, cache, i32(8, 4), i32(8)).jaxpr
+    else:
+        md = AttentionMetadata(i32(8), i32(4, 4), i32(4), i32(5), i32(4))
+        fn = lambda q, k, v, md: ragged_paged_attention(q, k, v, 0, md, sm_scale=0.1)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(q, cache, cache, md).jaxpr
+    dots = _kernel_dots(jaxpr)
+    assert len(dots) >= 2, "expected the QK and PV dots inside the kernel"
+    for eqn in dots:
+        precision = eqn.params["precision"]
+        assert precision is not None and all(p == jax.lax.Precision.HIGHEST for p in precision), precision
