@@ -69,6 +69,20 @@ def lower_for_cuda(fn, *args) -> str:  # noqa: ANN001
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def lower_jitted_for_cuda(jitted: Any, *args: Any, **kwargs: Any) -> Any:
+    """`jitted` (already a `jax.jit` function, with its own static and donated arguments, e.g. an
+    engine step program) lowered for CUDA on this GPU-less machine, as `lower_for_cuda` does; returns
+    the `jax.stages.Lowered`, so a test can read its text, its module and its output shapes.
+
+    Only lowering: nothing is compiled or allocated, so the arguments may be abstract arrays of any
+    size (a real-size KV cache of tens of GB)."""
+    import jax
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+
+
 def load_benchmark(name: str, module_name: str | None = None):  # noqa: ANN201
     """Import `benchmarks/<name>.py` by path (the benchmarks are scripts, not an installed package)."""
     import importlib.util
