@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# One-shot GPU check on one H200 (finishes in about 8 minutes or less); prints a summary table.
+# The GPU check on one H200 in about 5 minutes (see benchmarks/gpu_check.py for the parts and the
+# time each is expected to take). Results go to $OUT (the device tool's folder that comes back) or
+# to a new temporary folder: rows.jsonl as they are measured, gpu_check.log, summary.md.
 #
-#   bash benchmarks/gpu_check.sh            # the full check (needs a CUDA GPU and jax[cuda])
-#   bash benchmarks/gpu_check.sh --smoke    # tiny shapes; runs anywhere (CPU: kernels interpreted)
+#   bash benchmarks/gpu_check.sh              # the real check: the CUDA backend or nothing
+#   bash benchmarks/gpu_check.sh --smoke      # tiny shapes; runs anywhere (CPU: kernels interpreted)
+#   bash benchmarks/gpu_check.sh --only t,c   # some parts only
 #
-# (m) GPU memory planning numbers, (a) Mosaic GPU and Triton kernels vs their XLA references on random inputs, (b) decode-kernel time and bandwidth
-# at Llama-3-8B shapes vs a measured copy bandwidth and vs JAX's own Pallas paged attention,
-# (c) end-to-end offline throughput of a random-weight Llama-3-8B-shaped model vs the
-# memory-bandwidth bound. Uses only this repository; exits non-zero if a check fails or errors.
-set -euo pipefail
+# Uses only this checkout and the machine's own Python (the GPU image reaches no package registry);
+# exits 0 when nothing failed, 1 when a row failed or errored, 3 when no GPU backend started.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
+if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate && " $* " != *" --smoke "* && -z "${PYTHON:-}" ]]; then
   # shellcheck disable=SC1091
   . .venv/bin/activate
 fi
 PYTHON="${PYTHON:-python3}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
-# The Python script keeps its own 450 s budget; the hard limit is a backstop.
-exec timeout --signal=INT --kill-after=15 500 "$PYTHON" benchmarks/gpu_check.py "$@"
+if [[ " $* " != *" --smoke "* ]]; then
+  export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
+    || echo "nvidia-smi: not available"
+fi
+# The orchestrator keeps its own budget and kills each part at its limit; this is the backstop.
+exec timeout --signal=INT --kill-after=20 "${GPU_CHECK_HARD_LIMIT:-420}" "$PYTHON" benchmarks/gpu_check.py "$@"

@@ -8,7 +8,12 @@ could replace the tiled scan (models/moe.py explains why it does not on CPU)."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
 from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +74,23 @@ def part_d(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None)
         if bw and isinstance(times["tiled"], float):
             note += f"; {touched} experts touched = {100 * touched * expert_bytes / times['tiled'] / bw:.0f}% of copy BW"
         row("d", f"MoE layer {tokens} tokens ({touched} experts touched)", fmt(times["tiled"]), note)
+
+
+def main() -> None:
+    """One gpu_check process: part (d) with its rows in the run's rows file."""
+    from benchmarks.gpu_check_common import Rows, timed
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--rows", type=Path)
+    args = ap.parse_args()
+    rows = Rows(args.rows, "d")
+
+    def row(part: str, what: str, result: str, note: str = "") -> None:
+        rows(what, result, note, status="fail" if result.startswith("FAIL") else "info")
+
+    part_d(args.smoke, row, timed, rows.value("copy_bw"))
+
+
+if __name__ == "__main__":
+    main()
