@@ -87,6 +87,21 @@ class _CompileLog(logging.Handler):
                       "program key: kind-tokens-sequences-block width")
 
 
+def wait_for_peers(lock: Path | None, name: str, peers: int, timeout: float = 150.0) -> float:
+    """Say this process has compiled, then wait (at most `timeout`) until `peers` processes have, so
+    no timing runs beside another process's compiles (they take the host's cores the step loop
+    needs). Returns the seconds waited."""
+    if lock is None or peers <= 1:
+        return 0.0
+    ready = lock.with_name(lock.name + ".ready")
+    ready.mkdir(exist_ok=True)
+    (ready / name).touch()
+    start = time.monotonic()
+    while len(list(ready.iterdir())) < peers and time.monotonic() - start < timeout:
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
 @contextlib.contextmanager
 def turn(lock: Path | None) -> Iterator[None]:
     """Hold the timing turn (an exclusive lock on `lock`; released if this process dies)."""
@@ -126,13 +141,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rows", type=Path)
     ap.add_argument("--lock", type=Path, help="take turns to time with the other backends' processes")
+    ap.add_argument("--peers", type=int, default=1, help="processes that compile side by side before timing")
     args = ap.parse_args()
     rows = Rows(args.rows, "c")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    sys.exit(run(rows, args.backend, args.smoke, args.lock))
+    sys.exit(run(rows, args.backend, args.smoke, args.lock, args.peers))
 
 
-def run(rows: Rows, backend: str, smoke: bool, lock: Path | None) -> int:
+def run(rows: Rows, backend: str, smoke: bool, lock: Path | None, peers: int = 1) -> int:
     import jax
     import numpy as np
 
@@ -156,6 +172,7 @@ def run(rows: Rows, backend: str, smoke: bool, lock: Path | None) -> int:
                             compilation_cache_dir="", attention_backend=backend)
         except ValueError as e:  # the backend cannot serve this model here (the error says why)
             rows(f"{backend}: engine", "n/a", one_line(e), status="n/a")
+            wait_for_peers(lock, backend, peers)
             return 0
         finally:
             engine_module.load_model = original
@@ -165,6 +182,7 @@ def run(rows: Rows, backend: str, smoke: bool, lock: Path | None) -> int:
          f"{engine.plan.num_blocks * engine.plan.bytes_per_block / 2**30:.1f} GiB (explicit)")
     if engine.attention_backend.name != backend:
         rows(f"{backend}: backend", "FAIL", f"the engine fell back to {chosen}: see the log for why", status="fail")
+        wait_for_peers(lock, backend, peers)
         return 1
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"], prompt_len).tolist() for _ in range(num_prompts)]
@@ -189,7 +207,9 @@ def run(rows: Rows, backend: str, smoke: bool, lock: Path | None) -> int:
     decode_bytes = sum((weights - embedding) + num_prompts * (prompt_len + i) * kv_per_token
                        for i in range(1, output_len))
     peak, bw = rows.value("matmul_peak"), rows.value("copy_bw")
+    waited = wait_for_peers(lock, backend, peers)
     with turn(lock):
+        rows(f"{backend}: timing turn", f"after {waited:.0f} s waiting for the other backends to compile")
         for async_on in (True, False):
             engine.core.async_scheduling = async_on
             mode = "async" if async_on else "sync"
