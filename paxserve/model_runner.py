@@ -7,7 +7,8 @@ quarters of one for tokens and sequences), and those three are the only compile 
 `sampling_metadata`). Programs are compiled ahead of time and stored
 (`programs`); a step whose bucket is not compiled yet runs in a compiled bucket that covers it, if
 one costs at most `_COVER_COST` times as much, while its own compiles in the background; growing
-contexts and batches have the next bucket compiled before they reach it.
+contexts and batches have the next bucket compiled before they reach it (batches only while the steps
+are quiet, on a CPU). A stored program counts as compiled: it loads the first time a step runs it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ logger = logging.getLogger(__name__)
 # A step may run in a compiled bucket that costs up to this many times its own (tokens x sequences
 # x block width) while its own compiles in the background; a larger one is not worth it.
 _COVER_COST = 4
+# On a CPU the steps and the compiles share the cores (a background compile made the 40-token answers
+# of the bundled model 2-2.5x slower): a guess at a program compiles only once no step has run for
+# this long. Steps follow each other within milliseconds while requests run.
+_QUIET_S = 0.5
 # The device calls a multi-host rank 0 publishes (`plan_sink`), and the end of its engine.
 WRITE_STATE, DISPATCH, STOP = "write_state", "dispatch", "stop"
 
@@ -122,7 +127,8 @@ class ModelRunner:
         common = "|".join([environment_fingerprint(), source_fingerprint()])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),
-                                 program_store, background_compile, devices)
+                                 program_store, background_compile, devices,
+                                 quiet_s=_QUIET_S if jax.devices()[0].platform == "cpu" else 0.0)
         self.compiled: set[tuple] = set()  # buckets the steps ran in, for the log and for tests
         # Token slots the forward steps ran, and how many held real tokens: the padding the buckets cost.
         self.tokens_run = 0
@@ -198,53 +204,72 @@ class ModelRunner:
         """The padded sizes a step runs at: its own bucket when that program is ready (or cannot be
         had any other way: it is then compiled before the step runs), else the cheapest compiled one
         that covers it within `_COVER_COST` while its own compiles in the background. Either way the
-        buckets a growing batch reaches next start compiling in the background."""
+        buckets a growing batch reaches next are then queued for the background."""
         exact = self.exact_buckets(num_tokens, num_seqs, widest)
-        self._prefetch(kind, exact)
         if (kind, *exact) in self.programs or not self.programs.background:
+            self._prefetch(kind, exact, widest)
             return exact
         t, s, b = exact
         covers = [key[1:] for key in self.programs.keys() if key[0] == kind and key[1] >= t and key[2] >= s
                   and key[3] >= b and key[1] * key[2] * key[3] <= _COVER_COST * t * s * b]
         if not covers:
+            # Only its own program can serve this step: build it now, before the buckets that come
+            # next are queued, so that no background compile slows this one down.
+            self.programs.get((kind, *exact))
+            self._prefetch(kind, exact, widest)
             return exact
-        self.programs.compile_later((kind, *exact))
+        self._prefetch(kind, exact, widest)
+        # A decode bucket serves step after step: its own program is needed soon. A prompt's step runs
+        # once, so its own bucket is a guess at the next prompt of that length.
+        self.programs.compile_later((kind, *exact), guess=t != s)
         return min(covers, key=lambda k: k[0] * k[1] * k[2])
 
-    def _prefetch(self, kind: str, exact: tuple[int, int, int]) -> None:
+    def _prefetch(self, kind: str, exact: tuple[int, int, int], widest: int) -> None:
         """Decode steps grow one token per step and batches grow one request at a time: have the next
-        block width, and the next batch of decode steps, compiled before they are needed."""
+        block width, and the next batch of decode steps, compiled before they are needed. Only the
+        next width of a decode step whose widest table is in the last quarter of its bucket is
+        needed soon (its context grows every step); the rest are guesses, which wait for the steps
+        to be quiet rather than slow them down."""
         if kind != "forward" or not self.programs.background:
             return
         t, s, b = exact
+        decode = t == s
         if b < self.max_blocks_per_seq:
-            self.programs.compile_later((kind, t, s, min(2 * b, self.max_blocks_per_seq)))
-        if t == s and s < self.num_state_rows - 1:  # a decode step, and more sequences may come
+            self.programs.compile_later((kind, t, s, min(2 * b, self.max_blocks_per_seq)),
+                                        guess=not (decode and 4 * widest >= 3 * b))
+        if decode and s < self.num_state_rows - 1:  # more sequences may come
             grown = bucket_size(s + 1, self.fine_buckets)
-            self.programs.compile_later((kind, grown, grown, b))
-            self.programs.compile_later(("sample", grown))
+            self.programs.compile_later((kind, grown, grown, b), guess=True)
+            self.programs.compile_later(("sample", grown), guess=True)
 
-    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
-        """Load every stored program, then have the decode step of every batch-size bucket (block
-        width 1) and its sampler compiled: with background compiles, the single-sequence ones now and
-        the rest in the background (ascending), so the engine serves at once; else all of them now.
-        Returns (programs loaded, programs compiled now)."""
-        loaded = self.programs.load_stored()
-        compiled_before = self.programs.num_compiled
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
+        """Note the stored programs (a directory listing: none is loaded yet), then have the decode
+        step of every batch-size bucket (block width 1) and its sampler ready: with background
+        compiles the single-sequence ones now (loaded or compiled) and the missing rest in the
+        background (ascending, as guesses: while the steps are quiet), so the engine serves at once;
+        else all of them now. Any other stored program is loaded by the first step that needs it.
+        Returns (programs loaded now, programs compiled now, stored programs left for first use)."""
+        self.programs.scan_store()
+        loaded_before, compiled_before = self.programs.num_loaded, self.programs.num_compiled
         sizes = bucket_sizes(min(max_num_seqs, max_num_batched_tokens), self.fine_buckets)
         keys = [key for s in sizes for key in (("forward", s, s, 1), ("sample", s))]
-        missing = [key for key in keys if key not in self.programs]
-        # With background compiles only the single-sequence step is worth waiting for (the first
-        # request needs it); a larger bucket missing from the store is covered meanwhile.
-        now = [key for key in missing if key in keys[:2]] if self.programs.background else missing
-        later = [key for key in missing if key not in now]
-        for key in tqdm(now, desc="Compiling decode steps", unit="program", disable=None if now else True):
+        # With background compiles only the single-sequence step is worth having in memory before
+        # ready (the first request needs it); a larger bucket that is stored loads on first use, and
+        # one that is not is covered meanwhile.
+        now = keys[:2] if self.programs.background else keys
+        stored = [key for key in now if key in self.programs]  # loading first: it takes ms, not seconds
+        missing = [key for key in now if key not in self.programs]
+        for key in stored:
             self.programs.get(key)
+        for key in tqdm(missing, desc="Compiling decode steps", unit="program", disable=None if missing else True):
+            self.programs.get(key)
+        later = [key for key in keys if key not in now and key not in self.programs]
         for key in later:
-            self.programs.compile_later(key)
+            self.programs.compile_later(key, guess=True)
         if later:
             logger.info("compiling %d more decode-step programs in the background", len(later))
-        return loaded, self.programs.num_compiled - compiled_before
+        return (self.programs.num_loaded - loaded_before, self.programs.num_compiled - compiled_before,
+                self.programs.num_unloaded)
 
     def build(self, chunks: list[SeqChunk]) -> Batch:
         """Pad a list of chunks to its own bucket (tests, tools; the engine's steps come from the

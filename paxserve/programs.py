@@ -6,8 +6,16 @@ process, even when JAX's persistent cache then finds the compiled result, which 
 start re-trace its buckets for seconds. Here each program is lowered from abstract shapes once, and
 its executable is stored under a fingerprint of everything that shapes it (JAX and XLA versions, the
 device kind and count, the model config, dtype, attention backend, parallel split, every argument's
-shape, and the engine's own source). A later start loads the stored executables without tracing
-anything. A damaged or stale entry is recompiled, never trusted.
+shape, and the engine's own source). A later start lists what is stored (no loading) and loads an
+executable, without tracing anything, the first time a step needs it: a start does not pay for every
+shape any earlier start ever stored. A damaged or stale entry is recompiled, never trusted.
+
+A step never waits behind background compiles it does not need: the program it asks for is built on
+its own thread at once, even when it was queued for the background; only a build already under way is
+waited for. The background worker takes keys a step will soon need (a covered step's own bucket, a
+growing context's next width) before guesses (warm-up's larger batches, the next batch size), starts
+a guess only while the steps are quiet (on a CPU they share the cores with the compiles), starts
+nothing while a step builds its own program, and runs at the lowest thread priority.
 
 Program kinds and keys: ("forward", T, S, B), ("all_logits", T, S, B) (prompt logprobs),
 ("sample", S) and ("score", T, S). Lowering only ever sees abstract arguments (shapes, dtypes and
@@ -17,17 +25,20 @@ loop is donating.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
-import queue
+import math
+import sys
 import threading
 import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Literal
 
 import jax
 
@@ -38,6 +49,7 @@ Key = tuple[Any, ...]
 Spec = Callable[[Key], tuple[Callable[[], Any], tuple[Any, ...], Any]]
 
 _SOURCE_DIRS = ("paxserve", "models", "pallas_kernels")
+_KINDS = ("forward", "sample", "all_logits", "score")
 
 
 def source_fingerprint() -> str:
@@ -66,20 +78,33 @@ def _key_name(key: Key) -> str:
 
 class Programs:
     """Compiled executables by key for one model runner. Not tied to a thread: `get` and `compile`
-    may be called from the step loop while a background compile runs."""
+    may be called from the step loop while a background compile runs.
+
+    A key has one builder at a time. `compile_later` queues it for the background worker; a `get` of
+    a key that is queued but not started claims it and builds it on the calling thread at once (the
+    worker skips a claimed key when it dequeues it), so a step never waits behind compiles it does
+    not need; only a build already under way on another thread is waited for."""
 
     def __init__(self, spec: Spec, fingerprint: Callable[[str], str], store: Path | None, background: bool,
-                 devices: list[Any] | None = None) -> None:
+                 devices: list[Any] | None = None, quiet_s: float = 0.0) -> None:
         """`fingerprint(kind)`: everything that shapes a program of that kind; programs of engines
-        that agree on it share stored entries."""
+        that agree on it share stored entries. `quiet_s`: the background worker starts a guess
+        (`compile_later(key, guess=True)`) only once no `get` has come for this long, i.e. while the
+        steps are not running (on a CPU they and the compiles share the cores); 0: at once."""
         self._spec = spec
         self._fingerprint = fingerprint
         self._devices = devices or jax.devices()[:1]  # where a stored program is loaded to run
         self._store = store
         self._compiled: dict[Key, Any] = {}
+        # Found in the store by `scan_store` and not loaded yet: the first `get` loads it (tens of ms),
+        # so a start does not pay for every shape any earlier start ever stored.
+        self._stored: set[Key] = set()
         self._lock = threading.Lock()
+        # Keys someone is to build (queued for the worker) or is building; the future ends with the
+        # program (None when that build failed or was dropped, for a waiter to build it itself).
         self._pending: dict[Key, concurrent.futures.Future] = {}
-        self._queue: queue.SimpleQueue[tuple[Key, concurrent.futures.Future] | None] = queue.SimpleQueue()
+        self._started: set[Key] = set()  # pending keys whose build has begun, on whichever thread
+        self._queue = _WorkQueue(quiet_s)
         if background:
             # Not a daemon: at exit the interpreter waits for the compile in progress (a daemon thread
             # inside XLA while the backend is torn down aborts the process); the worker stops as
@@ -90,25 +115,48 @@ class Programs:
         self.num_compiled = 0  # compiled in this process (in the step loop or the background)
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._compiled
+        """Whether `key` is to be had without compiling: loaded, compiled, or stored (loaded by `get`)."""
+        return key in self._compiled or key in self._stored
 
     def keys(self) -> list[Key]:
-        return list(self._compiled)
+        """Every key `in` this: the ones in memory, then the stored ones not loaded yet."""
+        with self._lock:
+            return [*self._compiled, *(key for key in self._stored if key not in self._compiled)]
+
+    def is_loaded(self, key: Key) -> bool:
+        """Whether `key` is in memory (ready to run with no load or compile)."""
+        return key in self._compiled
+
+    @property
+    def num_unloaded(self) -> int:
+        """Stored programs found by `scan_store` that nothing has loaded yet."""
+        return len(self._stored)
 
     # ---- the store ---------------------------------------------------------------------------------
 
-    def load_stored(self) -> int:
-        """Load every stored program of this fingerprint (no tracing); returns how many."""
+    def scan_store(self) -> int:
+        """Note every stored program of this fingerprint without loading any (a directory listing per
+        kind): each then counts as available and is loaded by its first `get`. Returns how many were
+        found that are not in memory."""
         if self._store is None:
             return 0
-        loaded = 0
-        for kind in ("forward", "sample", "all_logits", "score"):
-            folder = self._folder(kind)
-            for path in sorted(folder.glob(f"{kind}-*.xla")) if folder.is_dir() else ():
-                key = _parse_key(path.stem)
-                if key is not None and key not in self._compiled and self._load(key, path):
-                    loaded += 1
-        return loaded
+        found: set[Key] = set()
+        for kind in _KINDS:
+            try:
+                entries = os.scandir(self._folder(kind))
+            except OSError:  # no folder yet: nothing of this kind stored
+                continue
+            with entries:
+                for entry in entries:
+                    # Staging files start with "." and never match; a name that does not parse is skipped.
+                    if entry.name.startswith(f"{kind}-") and entry.name.endswith(".xla"):
+                        key = _parse_key(entry.name[: -len(".xla")])
+                        if key is not None:
+                            found.add(key)
+        with self._lock:
+            new = found - self._compiled.keys()
+            self._stored |= new
+        return len(new)
 
     def _folder(self, kind: str) -> Path:
         assert self._store is not None
@@ -117,7 +165,8 @@ class Programs:
     def _path(self, key: Key) -> Path:
         return self._folder(key[0]) / f"{_key_name(key)}.xla"
 
-    def _load(self, key: Key, path: Path) -> bool:
+    def _load(self, key: Key, path: Path) -> Any | None:
+        """The stored program at `path`, or None (a damaged or stale entry is deleted)."""
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
@@ -128,11 +177,10 @@ class Programs:
             logger.warning("stored program %s is unusable (%s: %s); it will be compiled again", path.name,
                            type(e).__name__, str(e)[:200])
             path.unlink(missing_ok=True)
-            return False
+            return None
         with self._lock:
-            self._compiled.setdefault(key, compiled)
             self.num_loaded += 1
-        return True
+        return compiled
 
     def _save(self, key: Key, compiled: Any) -> None:
         if self._store is None:
@@ -152,13 +200,14 @@ class Programs:
     # ---- compiling ---------------------------------------------------------------------------------
 
     def _build(self, key: Key) -> Any:
-        """Load `key` from the store, or compile it (and store it)."""
+        """Load `key` from the store, or compile it (and store it). Only a key's claimant calls this."""
         if self._store is not None:
+            # Also when `scan_store` did not see it: another process may have stored it since.
             path = self._path(key)
-            if path.exists() and self._load(key, path):
-                with self._lock:
-                    self._pending.pop(key, None)
-                return self._compiled[key]
+            if key in self._stored or path.exists():
+                compiled = self._load(key, path)
+                if compiled is not None:
+                    return compiled
         start = time.perf_counter()
         lower, _, _ = self._spec(key)
         if self._store is None:
@@ -168,49 +217,96 @@ class Programs:
             if storable:
                 self._save(key, compiled)
         with self._lock:
-            self._compiled[key] = compiled
-            self._pending.pop(key, None)
             self.num_compiled += 1
-        logger.info("compiled %s in %.1fs (%d programs ready)", _key_name(key), time.perf_counter() - start,
-                    len(self._compiled))
+            ready = len(self._compiled) + 1
+        logger.info("compiled %s in %.1fs (%d programs ready)", _key_name(key), time.perf_counter() - start, ready)
         return compiled
 
+    def _build_claimed(self, key: Key, future: concurrent.futures.Future) -> Any:
+        """Build `key`, which this thread has claimed (it is in `_started` with `future`), publish it
+        and end the claim; a failure ends it too (waiters then build it themselves) and raises."""
+        try:
+            compiled = self._build(key)
+        except BaseException:
+            self._end_claim(key, future, None)
+            raise
+        self._end_claim(key, future, compiled)
+        return compiled
+
+    def _end_claim(self, key: Key, future: concurrent.futures.Future, compiled: Any | None) -> None:
+        with self._lock:
+            if compiled is not None:
+                self._compiled[key] = compiled
+            self._stored.discard(key)  # loaded, or found unusable and deleted
+            if self._pending.get(key) is future:
+                del self._pending[key]
+            self._started.discard(key)
+        future.set_result(compiled)
+
     def get(self, key: Key) -> Any:
-        """The program for `key`, compiled now if nobody has it yet (waiting for a background
-        compile of the same key rather than compiling it twice)."""
+        """The program for `key`, built now on this thread unless another thread is building it at
+        this moment (then that build is waited for rather than repeated). A key only queued for the
+        background is taken out of the worker's hands and built here, ahead of the queue."""
+        self._queue.note_step()
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None and pending.result() is not None:
-            return self._compiled[key]
-        return self._build(key)
+        # A step waiting for its program is a busy step: no guess may start meanwhile.
+        with self._queue.step_building():
+            return self._get_slow(key)
 
-    def compile_later(self, key: Key) -> None:
-        """Queue `key` for the background worker (compile it now when there is none)."""
+    def _get_slow(self, key: Key) -> Any:
+        while True:
+            with self._lock:
+                compiled = self._compiled.get(key)
+                if compiled is not None:
+                    return compiled
+                future = self._pending.get(key)
+                if future is None or key not in self._started:
+                    if future is None:
+                        future = concurrent.futures.Future()
+                        self._pending[key] = future
+                    self._started.add(key)
+                    break
+            compiled = future.result()
+            if compiled is not None:
+                return compiled
+            # That build failed: claim the key and build it here, where a failure reaches the step.
+        return self._build_claimed(key, future)
+
+    def compile_later(self, key: Key, guess: bool = False) -> None:
+        """Queue `key` for the background worker (build it now when there is none). A step will soon
+        need it unless it is a `guess`: guesses wait until the queue holds nothing else and the steps
+        are quiet (`quiet_s`). A stored key is only loaded, which is cheap, but off the step's thread."""
         if key in self._compiled:
             return
         if not self.background:
-            self._build(key)
+            self.get(key)
             return
         with self._lock:
-            if key in self._pending or key in self._compiled:
+            if key in self._compiled:
                 return
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            self._pending[key] = future
-        self._queue.put((key, future))
+            known = key in self._pending
+            queued = known and key not in self._started
+            if not known:
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                self._pending[key] = future
+        if queued and not guess:
+            self._queue.promote(key)  # a guess a step now says it will need
+        if not known:
+            self._queue.put((key, future), guess)
 
     def _compile_queued(self, key: Key, future: concurrent.futures.Future) -> None:
-        if future.done():  # dropped by close()
-            return
+        """The worker's turn at a queued key: skipped when a `get` claimed it meanwhile (built, or
+        being built, on that thread) or `close` dropped it."""
+        with self._lock:
+            if self._pending.get(key) is not future or key in self._started:
+                return
+            self._started.add(key)
         try:
-            future.set_result(self._build(key))
-        except Exception as e:  # noqa: BLE001 - the step that needs it compiles it again and reports
+            self._build_claimed(key, future)
+        except Exception as e:  # noqa: BLE001 - the step that needs it builds it again and reports
             logger.warning("background compile of %s failed: %s", _key_name(key), e)
-            with self._lock:
-                self._pending.pop(key, None)
-            future.set_result(None)
 
     def wait(self) -> None:
         """Block until every background compile has finished (tests, benchmarks, shutdown)."""
@@ -226,11 +322,12 @@ class Programs:
         if self.background:
             self.background = False
             with self._lock:
-                dropped, self._pending = list(self._pending.values()), {}
-            for future in dropped:
-                if not future.done():
-                    future.set_result(None)
-            self._queue.put(None)
+                dropped = [(key, future) for key, future in self._pending.items() if key not in self._started]
+                for key, _ in dropped:
+                    del self._pending[key]
+            for _, future in dropped:
+                future.set_result(None)
+            self._queue.stop()
 
 
 class _CacheHits(threading.local):
@@ -264,13 +361,113 @@ def _compile_for_storing(lowered: Any, platform: str) -> tuple[Any, bool]:
     return compiled, _CACHE_HITS.count == hits
 
 
-def _work(work: queue.SimpleQueue, owner: weakref.ref) -> None:
+def _lower_priority() -> None:
+    """Make the calling thread the last to get a core (nice 19) when the steps want them; Linux applies
+    a priority to one thread, given its id. Elsewhere, or when not allowed, the thread keeps its own.
+    It helps only a little (40-token answers beside background compiles: 3.2-3.5 s instead of 3.7-3.9 s,
+    1.6 s alone, 2-core CPU): the worker itself only traces and lowers, about a tenth of a compile's
+    CPU time; XLA compiles on threads of its own, made before the worker, at their normal priority."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError as e:
+        logger.debug("background compiles keep the normal priority: %s", e)
+
+
+_Item = tuple[Key, concurrent.futures.Future]
+
+
+class _WorkQueue:
+    """The background worker's keys: the ones steps will soon need first, in the order asked, then
+    guesses, each of which starts only after no step has asked for a program for `quiet_s`. Nothing
+    starts while a step is building (or waiting for) its own program. Shared by a Programs and its
+    worker, which holds it (and not the Programs) strongly."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self._ready = threading.Condition()
+        self._soon: collections.deque[_Item] = collections.deque()
+        self._guesses: collections.deque[_Item] = collections.deque()
+        self._guess_keys: set[Key] = set()  # the keys in `_guesses`
+        self._stopped = False
+        self._last_step = -math.inf  # time.monotonic() of the last `note_step`
+        self._steps_building = 0  # `get`s building or waiting for their program right now
+
+    def note_step(self) -> None:
+        # A bare store, no lock: this runs in every step; a stale read costs the worker one more look.
+        self._last_step = time.monotonic()
+
+    @contextlib.contextmanager
+    def step_building(self) -> Iterator[None]:
+        with self._ready:
+            self._steps_building += 1
+        try:
+            yield
+        finally:
+            with self._ready:
+                self._steps_building -= 1
+                self._last_step = time.monotonic()
+                self._ready.notify()
+
+    def put(self, item: _Item, guess: bool) -> None:
+        with self._ready:
+            if guess:
+                self._guesses.append(item)
+                self._guess_keys.add(item[0])
+            else:
+                self._soon.append(item)
+            self._ready.notify()
+
+    def promote(self, key: Key) -> None:
+        """Move a queued guess to the end of the keys needed soon (no-op for any other key)."""
+        if key not in self._guess_keys:  # the common case, every step: no lock, no scan
+            return
+        with self._ready:
+            for item in self._guesses:
+                if item[0] == key:
+                    self._guesses.remove(item)
+                    self._guess_keys.discard(key)
+                    self._soon.append(item)
+                    self._ready.notify()
+                    return
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stopped = True
+            self._ready.notify()
+
+    def take(self, timeout: float) -> _Item | None | Literal[False]:
+        """The next key to build; None once stopped; False when nothing was due within `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._ready:
+            while True:
+                if self._stopped:
+                    return None
+                now = time.monotonic()
+                wait = deadline - now
+                # While a step builds its own program, another compile would only slow that one down.
+                if self._soon and not self._steps_building:
+                    return self._soon.popleft()
+                if self._guesses and not self._steps_building:
+                    quiet_for = now - self._last_step
+                    if quiet_for >= self.quiet_s:
+                        item = self._guesses.popleft()
+                        self._guess_keys.discard(item[0])
+                        return item
+                    wait = min(wait, self.quiet_s - quiet_for)
+                if deadline <= now:
+                    return False
+                self._ready.wait(wait)
+
+
+def _work(work: _WorkQueue, owner: weakref.ref) -> None:
     """The background worker: compiles queued keys until told to stop, until its Programs is gone,
     or once the main thread has ended (after the compile in progress, never in the middle of one)."""
+    _lower_priority()
     while True:
-        try:
-            item = work.get(timeout=0.2)
-        except queue.Empty:
+        item = work.take(timeout=0.2)
+        if item is False:
             if threading.main_thread().is_alive() and owner() is not None:
                 continue
             return
