@@ -32,17 +32,10 @@ from paxserve.memory import plan_kv_cache
 from paxserve.sampler import SamplerState
 from paxserve.step_functions import StepShapes, jitted_logits, sample_step
 from pallas_kernels import AttentionBackend
-from tests.helpers import lower_jitted_for_cuda
+from tests.helpers import load_benchmark, lower_jitted_for_cuda
 
-# Meta-Llama-3-8B's config.json (the fields the model reads), as benchmarks/gpu_check.py has it.
-LLAMA3_8B: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    bos_token_id=128000, eos_token_id=128001,
-)
+# Meta-Llama-3-8B's config.json (the fields the model reads): the one gpu_check's end-to-end part runs.
+LLAMA3_8B: dict[str, Any] = load_benchmark("gpu_check_e2e").LLAMA3_8B
 
 # The engine's plan on one H200, through its own `plan_kv_cache` (as benchmarks/tp_memory.py does):
 #   usable       0.9 x 141e9 B                                        = 126.90e9 B
