@@ -64,7 +64,7 @@ from benchmarks.gpu_check_cases import (  # noqa: E402
     SMOKE_KERNEL_CASES,
     TIMING_FAMILIES,
 )
-from benchmarks.gpu_check_common import ROW_PREFIX  # noqa: E402
+from benchmarks.gpu_check_common import ROW_PREFIX, append_row, read_rows  # noqa: E402
 
 PARTS = "tpacbd"
 EXPECTED_S = {"t": 15, "p": 15, "a": 45, "c": 150, "b": 50, "d": 25}  # on one H200 (see the docstring)
@@ -100,20 +100,11 @@ class Check:
             self.log.write(text + "\n")
 
     def row(self, part: str, check: str, result: str, note: str = "", status: str = "info") -> None:
-        record = {"part": part, "check": check, "result": result, "note": note, "status": status, "value": None,
-                  "key": None, "pid": os.getpid(), "time": time.time()}
-        with open(self.rows_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_row(self.rows_path, part, check, result, note, status=status)
         self.say(f"[{part}] {check}: {result}  {note}")
 
     def rows(self) -> list[dict]:
-        found = []
-        for line in self.rows_path.read_text().splitlines() if self.rows_path.exists() else []:
-            try:
-                found.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line cut by a killed process
-        return found
+        return read_rows(self.rows_path)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start

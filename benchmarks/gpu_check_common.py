@@ -28,27 +28,43 @@ class Rows:
     def __call__(self, check: str, result: str, note: str = "", *, status: str = "info",
                  value: float | None = None, key: str | None = None) -> None:
         """status: pass, fail, error, info or n/a; `value`/`key`: a number later parts read back."""
-        record = {"part": self.part, "check": check, "result": result, "note": note, "status": status,
-                  "value": value, "key": key, "pid": os.getpid(), "time": time.time()}
+        record = append_row(self.path, self.part, check, result, note, status=status, value=value, key=key)
         print(ROW_PREFIX + json.dumps(record), flush=True)
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
     def value(self, key: str) -> float | None:
         """The latest value an earlier part recorded under `key`."""
         return read_value(self.path, key)
 
 
-def read_value(path: Path | None, key: str) -> float | None:
+def read_rows(path: Path | None) -> list[dict[str, Any]]:
+    """Every whole row in the rows file (a line cut by a killed writer is skipped)."""
     if path is None or not path.exists():
-        return None
-    found = None
+        return []
+    found = []
     for line in path.read_text().splitlines():
         try:
-            record = json.loads(line)
+            found.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line cut by a killed writer
+            continue
+    return found
+
+
+def append_row(path: Path | None, part: str, check: str, result: str, note: str = "", *, status: str = "info",
+               value: float | None = None, key: str | None = None) -> dict[str, Any]:
+    """The row as a record, appended to `path` (one JSON object per line; O_APPEND keeps lines of
+    concurrent writers whole)."""
+    record = {"part": part, "check": check, "result": result, "note": note, "status": status, "value": value,
+              "key": key, "pid": os.getpid(), "time": time.time()}
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def read_value(path: Path | None, key: str) -> float | None:
+    """The latest value recorded under `key`."""
+    found = None
+    for record in read_rows(path):
         if record.get("key") == key and record.get("value") is not None:
             found = float(record["value"])
     return found
