@@ -219,10 +219,13 @@ class ModelRunner:
             self._prefetch(kind, exact, widest)
             return exact
         self._prefetch(kind, exact, widest)
-        # A decode bucket serves step after step: its own program is needed soon. A prompt's step runs
+        cover = min(covers, key=lambda k: k[0] * k[1] * k[2])
+        # A decode bucket serves step after step: its own program is needed soon, unless the cover
+        # differs only in block width, which the growing contexts reach anyway (warm-up's wide
+        # single-sequence step serves a first answer's early widths this way). A prompt's step runs
         # once, so its own bucket is a guess at the next prompt of that length.
-        self.programs.compile_later((kind, *exact), guess=t != s)
-        return min(covers, key=lambda k: k[0] * k[1] * k[2])
+        self.programs.compile_later((kind, *exact), guess=t != s or cover[:2] == (t, s))
+        return cover
 
     def _prefetch(self, kind: str, exact: tuple[int, int, int], widest: int) -> None:
         """Decode steps grow one token per step and batches grow one request at a time: have the next
@@ -245,18 +248,23 @@ class ModelRunner:
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
         """Note the stored programs (a directory listing: none is loaded yet), then have the decode
         step of every batch-size bucket (block width 1) and its sampler ready: with background
-        compiles the single-sequence ones now (loaded or compiled) and the missing rest in the
-        background (ascending, as guesses: while the steps are quiet), so the engine serves at once;
-        else all of them now. Any other stored program is loaded by the first step that needs it.
+        compiles the single-sequence ones now (loaded or compiled; its step at block width
+        `_COVER_COST`) and the missing rest in the background (ascending, as guesses: while the
+        steps are quiet), so the engine serves at once; else all of them now. Any other stored program is loaded by the first step that needs it.
         Returns (programs loaded now, programs compiled now, stored programs left for first use)."""
         self.programs.scan_store()
         loaded_before, compiled_before = self.programs.num_loaded, self.programs.num_compiled
         sizes = bucket_sizes(min(max_num_seqs, max_num_batched_tokens), self.fine_buckets)
         keys = [key for s in sizes for key in (("forward", s, s, 1), ("sample", s))]
-        # With background compiles only the single-sequence step is worth having in memory before
-        # ready (the first request needs it); a larger bucket that is stored loads on first use, and
-        # one that is not is covered meanwhile.
-        now = keys[:2] if self.programs.background else keys
+        if self.programs.background:
+            # Only the single-sequence step is worth having before ready (the first request needs
+            # it); a larger bucket that is stored loads on first use, and one that is not is covered
+            # meanwhile. It is built at the widest block table a width-1 step may borrow
+            # (`_COVER_COST`): no chat prompt fits in one block (the template alone passes 16 tokens),
+            # so a first answer's early decode steps all run in it instead of each width compiling.
+            now = [("forward", 1, 1, min(_COVER_COST, self.max_blocks_per_seq)), ("sample", 1)]
+        else:
+            now = keys
         stored = [key for key in now if key in self.programs]  # loading first: it takes ms, not seconds
         missing = [key for key in now if key not in self.programs]
         for key in stored:

@@ -123,6 +123,10 @@ class Programs:
         with self._lock:
             return [*self._compiled, *(key for key in self._stored if key not in self._compiled)]
 
+    def queued_guesses(self) -> list[Key]:
+        """The guesses waiting for quiet steps, in the order they will start."""
+        return self._queue.guess_keys()
+
     def is_loaded(self, key: Key) -> bool:
         """Whether `key` is in memory (ready to run with no load or compile)."""
         return key in self._compiled
@@ -431,6 +435,10 @@ class _WorkQueue:
                     self._soon.append(item)
                     self._ready.notify()
                     return
+
+    def guess_keys(self) -> list[Key]:
+        with self._ready:
+            return [item[0] for item in self._guesses]
 
     def stop(self) -> None:
         with self._ready:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from paxserve import Engine, SamplingParams
+from paxserve import model_runner
 from paxserve import programs as programs_module
 from paxserve.programs import Key, Programs
 from tests.paxserve import test_engine
@@ -86,6 +87,25 @@ def test_a_missing_bucket_runs_in_a_covering_one_while_its_own_compiles(tiny_dir
     runner.programs.wait()
     assert {("forward", 1, 1, 2), ("forward", 2, 2, 1), ("sample", 2)} <= set(runner.programs.keys())
     runner.programs.close()
+
+
+def test_warm_up_readies_a_single_sequence_step_wide_enough_for_a_first_answer_s_early_widths(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat prompt never fits one block: warm-up's decode step is built at block width 4, which
+    serves widths 1-4 at no more than 4x the work; a narrower own bucket is only a guess (the context
+    grows into the wide one anyway), so it never compiles beside a request's steps."""
+    monkeypatch.setattr(model_runner, "_QUIET_S", 3600.0)  # guesses wait: nothing races the asserts
+    engine = _engine(tiny_dir, compile_in_background=True, max_num_seqs=1)
+    programs = engine.runner.programs
+    try:
+        assert set(programs.keys()) == {("forward", 1, 1, 4), ("sample", 1)}
+        assert programs.queued_guesses() == [("forward", 1, 1, 1)]
+        assert engine.runner.buckets(1, 1, 2) == (1, 1, 4)
+        assert ("forward", 1, 1, 2) in programs.queued_guesses()
+        assert engine.runner.buckets(1, 1, 3) == (1, 1, 4)
+    finally:
+        programs.close()
 
 
 def test_background_compiles_give_the_same_tokens_and_then_a_steady_state(tiny_dir: Path) -> None:
