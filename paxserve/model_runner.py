@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 # A step may run in a compiled bucket that costs up to this many times its own (tokens x sequences
 # x block width) while its own compiles in the background; a larger one is not worth it.
 _COVER_COST = 4
+# Warm-up's single-sequence decode steps (block widths): within `_COVER_COST` they serve every context
+# of 1-8 blocks (a chat prompt and a short first answer: 128 tokens at block size 16).
+_WARM_DECODE_WIDTHS = (_COVER_COST, 2 * _COVER_COST)
 # On a CPU the steps and the compiles share the cores (a background compile made the 40-token answers
 # of the bundled model 2-2.5x slower): a guess at a program compiles only once no step has run for
 # this long. Steps follow each other within milliseconds while requests run.
@@ -248,8 +251,8 @@ class ModelRunner:
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
         """Note the stored programs (a directory listing: none is loaded yet), then have the decode
         step of every batch-size bucket (block width 1) and its sampler ready: with background
-        compiles the single-sequence ones now (loaded or compiled; its step at block width
-        `_COVER_COST`) and the missing rest in the background (ascending, as guesses: while the
+        compiles the single-sequence ones now (loaded or compiled; its step at the block widths of
+        `_WARM_DECODE_WIDTHS`) and the missing rest in the background (ascending, as guesses: while the
         steps are quiet), so the engine serves at once; else all of them now. Any other stored program is loaded by the first step that needs it.
         Returns (programs loaded now, programs compiled now, stored programs left for first use)."""
         self.programs.scan_store()
@@ -259,10 +262,11 @@ class ModelRunner:
         if self.programs.background:
             # Only the single-sequence step is worth having before ready (the first request needs
             # it); a larger bucket that is stored loads on first use, and one that is not is covered
-            # meanwhile. It is built at the widest block table a width-1 step may borrow
-            # (`_COVER_COST`): no chat prompt fits in one block (the template alone passes 16 tokens),
-            # so a first answer's early decode steps all run in it instead of each width compiling.
-            now = [("forward", 1, 1, min(_COVER_COST, self.max_blocks_per_seq)), ("sample", 1)]
+            # meanwhile. It is built at the block widths of `_WARM_DECODE_WIDTHS`, not 1: no chat
+            # prompt fits in one block (the template alone passes 16 tokens), and a first answer's
+            # decode steps then run without waiting for a compile until its context passes 8 blocks.
+            widths = sorted({min(w, self.max_blocks_per_seq) for w in _WARM_DECODE_WIDTHS})
+            now = [*(("forward", 1, 1, w) for w in widths), ("sample", 1)]
         else:
             now = keys
         stored = [key for key in now if key in self.programs]  # loading first: it takes ms, not seconds

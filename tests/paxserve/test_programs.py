@@ -92,18 +92,21 @@ def test_a_missing_bucket_runs_in_a_covering_one_while_its_own_compiles(tiny_dir
 def test_warm_up_readies_a_single_sequence_step_wide_enough_for_a_first_answer_s_early_widths(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A chat prompt never fits one block: warm-up's decode step is built at block width 4, which
-    serves widths 1-4 at no more than 4x the work; a narrower own bucket is only a guess (the context
-    grows into the wide one anyway), so it never compiles beside a request's steps."""
+    """A chat prompt never fits one block: warm-up's decode step is built at block widths 4 and 8,
+    which serve widths 1-8 at no more than 4x the work; a narrower own bucket is only a guess (the
+    context grows into the wide one anyway), so it never compiles beside a request's steps."""
     monkeypatch.setattr(model_runner, "_QUIET_S", 3600.0)  # guesses wait: nothing races the asserts
     engine = _engine(tiny_dir, compile_in_background=True, max_num_seqs=1)
     programs = engine.runner.programs
     try:
-        assert set(programs.keys()) == {("forward", 1, 1, 4), ("sample", 1)}
+        assert set(programs.keys()) == {("forward", 1, 1, 4), ("forward", 1, 1, 8), ("sample", 1)}
         assert programs.queued_guesses() == [("forward", 1, 1, 1)]
         assert engine.runner.buckets(1, 1, 2) == (1, 1, 4)
         assert ("forward", 1, 1, 2) in programs.queued_guesses()
         assert engine.runner.buckets(1, 1, 3) == (1, 1, 4)
+        # Past width 4 the context runs in the width-8 step; nothing is queued as soon needed.
+        assert engine.runner.buckets(1, 1, 5) == (1, 1, 8)
+        assert programs.queued_guesses()[-1] == ("forward", 1, 1, 16)
     finally:
         programs.close()
 
