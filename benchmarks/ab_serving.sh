@@ -13,7 +13,11 @@ trap 'git -C "$here" worktree remove --force "$old_tree"' EXIT
 port=8125
 for tag in old new; do
   tree=$here; [ "$tag" = old ] && tree=$old_tree
-  (cd "$tree" && exec python -m paxserve.cli serve --port $port --max-model-len 1024) > /tmp/ab_$tag.log 2>&1 &
+  # Each side runs its own tree's code (benchmarks/checkout.py: its import root; the CLI's module moved
+  # into the server in issue 30).
+  root=$(python "$here/benchmarks/checkout.py" "$tree")
+  cli=paxserve.server.cli; [ -f "$tree/paxserve/cli.py" ] && cli=paxserve.cli
+  (cd "$root" && PYTHONPATH="$root" exec python -m $cli serve --port $port --max-model-len 1024) > /tmp/ab_$tag.log 2>&1 &
   pid=$!
   for _ in $(seq 240); do grep -q "paxserve listening" /tmp/ab_$tag.log && break; sleep 1; done
   echo "== $tag ($([ "$tag" = old ] && echo "$old_commit" || echo "working tree"))"

@@ -25,11 +25,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import models.decoder as llama  # noqa: E402  (the one decoder; its `attention` is swapped for the timing)
-from models.loader import load_model  # noqa: E402
-from pallas_kernels import KVCache  # noqa: E402
-from paxserve.batch import SeqChunk, build_batch, next_power_of_2  # noqa: E402
-from paxserve.step_functions import attention_metadata as _metadata  # noqa: E402
+import paxserve.models.decoder as llama  # noqa: E402  (the one decoder; its `attention` is swapped for the timing)
+from paxserve.kernels import KVCache  # noqa: E402
+from paxserve.models.loader import load_model  # noqa: E402
+from paxserve.worker.step_functions import attention_metadata as _metadata  # noqa: E402
+from paxserve.worker.step_inputs import SeqChunk, build_batch, next_power_of_2  # noqa: E402
 
 BLOCK = 16
 

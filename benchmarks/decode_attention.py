@@ -26,8 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
-from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference  # noqa: E402
+from paxserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from paxserve.kernels.reference import ragged_paged_attention_reference  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5

@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import IO
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+# Last, for `benchmarks.*`: paxserve comes from gpu_check.sh's PYTHONPATH (benchmarks/checkout.py).
+sys.path.append(str(HERE.parent))
 
 from benchmarks.gpu_check_cases import (  # noqa: E402
     E2E_BACKENDS,

@@ -16,6 +16,10 @@ if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate && " $* " != *" --smoke "* 
   . .venv/bin/activate
 fi
 PYTHON="${PYTHON:-python3}"
+# This checkout's code under its installed names (paxserve.models, paxserve.kernels, ...), installed or
+# not: the GPU image has no paxserve installed and no registry to install it from.
+PYTHONPATH="$("$PYTHON" benchmarks/checkout.py)${PYTHONPATH:+:$PYTHONPATH}" || exit 1
+export PYTHONPATH
 if [[ " $* " != *" --smoke "* ]]; then
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader \

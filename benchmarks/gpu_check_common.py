@@ -97,7 +97,7 @@ def ragged_problem(rng: np.random.Generator, *, num_seqs: int, block_size: int, 
     either for decode-only problems, whose kernels take exactly one token per sequence)."""
     import jax.numpy as jnp
 
-    from pallas_kernels.metadata import AttentionMetadata
+    from paxserve.kernels.metadata import AttentionMetadata
 
     ctx = rng.integers(1, max_ctx + 1, num_seqs)
     q_lens = np.ones(num_seqs, int) if decode_only else np.where(
@@ -149,7 +149,9 @@ def one_line(error: BaseException, limit: int = 160) -> str:
 
 
 def add_repo_to_path() -> None:
-    """The parts run as scripts from a plain checkout (the GPU image has no package registry)."""
+    """The parts run as scripts from a plain checkout (the GPU image has no package registry): the
+    root goes last, for `benchmarks.*`; paxserve comes from gpu_check.sh's PYTHONPATH, whose import
+    root maps the checkout's folders to their installed names (benchmarks/checkout.py)."""
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
-        sys.path.insert(0, root)
+        sys.path.append(root)

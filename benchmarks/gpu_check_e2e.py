@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Last, for `benchmarks.*`: paxserve comes from gpu_check.sh's PYTHONPATH (benchmarks/checkout.py).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_check_common import Rows, one_line  # noqa: E402
 
@@ -55,7 +56,7 @@ def random_model_loader(directory: Path):  # noqa: ANN201
     """A stand-in for `load_model`: the config from `directory`, random weights made on the device."""
     import jax
 
-    from models.loader import LoadedModel, _model_spec, _read_hf_config
+    from paxserve.models.loader import LoadedModel, _model_spec, _read_hf_config
 
     def load(model: Any, dtype: str = "auto", **_: Any) -> LoadedModel:
         cfg, arch, np_dtype = _model_spec(_read_hf_config(directory), dtype, "hf")
@@ -152,13 +153,13 @@ def run(rows: Rows, backend: str, smoke: bool, lock: Path | None, peers: int = 1
     import jax
     import numpy as np
 
-    import paxserve.engine as engine_module
+    import paxserve.engine.llm_engine as engine_module
     from paxserve import Engine
 
     config = TINY if smoke else LLAMA3_8B
     num_prompts, prompt_len, output_len = (4, 32, 4) if smoke else (128, 512, 64)
     compile_log = _CompileLog(rows, backend)
-    logging.getLogger("paxserve.programs").addHandler(compile_log)
+    logging.getLogger("paxserve.worker.programs").addHandler(compile_log)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))

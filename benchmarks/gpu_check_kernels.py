@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Last, for `benchmarks.*`: paxserve comes from gpu_check.sh's PYTHONPATH (benchmarks/checkout.py).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_check_cases import KERNEL_CASES, SMOKE_KERNEL_CASES, KernelCase  # noqa: E402
 from benchmarks.gpu_check_common import Rows, one_line, ragged_problem, rel_error, timed  # noqa: E402
@@ -70,7 +71,7 @@ def cuda_roots() -> list[tuple[str, str]]:
 def part_toolchain(rows: Rows, smoke: bool) -> int:
     # As the Engine does before JAX's backend starts: the pool is --gpu-memory-utilization (0.9) of
     # the device, so the planned total can be checked against nvidia-smi's.
-    from paxserve.gpu_memory import configure_allocator
+    from paxserve.worker.memory_plan import configure_allocator
 
     allocator = configure_allocator(0.9, backend_started=False)
     start = time.perf_counter()
@@ -130,7 +131,7 @@ def part_toolchain(rows: Rows, smoke: bool) -> int:
 def part_memory(rows: Rows, allocator: str) -> None:
     import jax
 
-    from paxserve.gpu_memory import device_memory
+    from paxserve.worker.memory_plan import device_memory
 
     rows("allocator", "configured", allocator)
     stats = jax.devices()[0].memory_stats()
@@ -195,21 +196,21 @@ def part_case(rows: Rows, smoke: bool, name: str) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.alibi import alibi_slopes
-    from pallas_kernels.mosaic_attention import (
+    from paxserve.kernels.alibi import alibi_slopes
+    from paxserve.kernels.mosaic_attention import (
         MosaicAttentionConfig,
         mosaic_paged_decode_attention,
         mosaic_ragged_paged_attention,
         supports_mosaic_attention,
     )
-    from pallas_kernels.paged_attention import (
+    from paxserve.kernels.paged_attention import (
         PagedDecodeAttentionConfig,
         paged_decode_attention,
         paged_decode_attention_reference,
     )
-    from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-    from pallas_kernels.self_check import tolerance_for
+    from paxserve.kernels.reference import ragged_paged_attention_reference
+    from paxserve.kernels.ragged_paged_attention import ragged_paged_attention
+    from paxserve.kernels.self_check import tolerance_for
 
     case: KernelCase = {c.name: c for c in (SMOKE_KERNEL_CASES if smoke else KERNEL_CASES)}[name]
     platform = jax.devices()[0].platform
@@ -267,11 +268,11 @@ def part_timing(rows: Rows, smoke: bool, family: str) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.metadata import AttentionMetadata
-    from pallas_kernels.mosaic_attention import mosaic_paged_decode_attention, mosaic_ragged_paged_attention
-    from pallas_kernels.paged_attention import decode_metadata, paged_decode_attention
-    from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from paxserve.kernels.metadata import AttentionMetadata
+    from paxserve.kernels.mosaic_attention import mosaic_paged_decode_attention, mosaic_ragged_paged_attention
+    from paxserve.kernels.paged_attention import decode_metadata, paged_decode_attention
+    from paxserve.kernels.reference import ragged_paged_attention_reference
+    from paxserve.kernels.ragged_paged_attention import ragged_paged_attention
 
     platform = jax.devices()[0].platform
     interpret = platform == "cpu"
@@ -370,7 +371,7 @@ def _mixed_step(smoke: bool, heads: int, kv_heads: int, hd: int, bs: int) -> tup
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.metadata import AttentionMetadata
+    from paxserve.kernels.metadata import AttentionMetadata
 
     rng = np.random.default_rng(5)
     num_decode, num_prefill, chunk = (3, 1, 16) if smoke else (48, 16, 256)

@@ -13,15 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Last, for `benchmarks.*`: paxserve comes from gpu_check.sh's PYTHONPATH (benchmarks/checkout.py).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.moe import ragged_dot_moe
-from models.layers import mlp
-from models.moe import MoEParams, experts_forward, experts_forward_reference, moe_mlp, route
+from paxserve.models.layers import mlp
+from paxserve.models.moe import MoEParams, experts_forward, experts_forward_reference, moe_mlp, route
 
 Row = Callable[..., None]
 

@@ -53,9 +53,9 @@ def write_tiny_checkpoint(directory: Path) -> None:
     bundled tokenizer beside it."""
     from safetensors.numpy import save_file
 
-    from models.bundled import default_model_path
-    from models.gguf_io import GGUFCheckpoint
-    from models.tokenizer import tokenizer_from_gguf
+    from paxserve.models.bundled import default_model_path
+    from paxserve.models.gguf_io import GGUFCheckpoint
+    from paxserve.models.tokenizer import tokenizer_from_gguf
 
     hidden, inter, heads, kv_heads, dim = 16, 32, 2, 1, 8
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=hidden,
@@ -83,11 +83,11 @@ def stub_device(runner: Any) -> None:
     """Replace the device's part of a step with random tokens in the sampler's packed layout: the
     runner's `dispatch` where it has one (its `collect` then copies nothing), else its `execute`
     (before issue 15, whose `unpack` also took the logprob width)."""
-    from paxserve import sampling_metadata as sm
+    from paxserve.distributed.worker_loop.sampling import host_inputs as sm
 
     rng = np.random.default_rng(1)
     if hasattr(runner, "dispatch"):
-        from paxserve.model_runner import DeviceStep
+        from paxserve.worker.model_runner import DeviceStep
 
         def dispatch(batch: Any, sampling: Any, prompt: Any = None) -> Any:
             s = batch.context_lens.shape[0]

@@ -26,7 +26,10 @@ ALIASES = {"paxserve.models": "models", "paxserve.server": "server", "paxserve.k
 # Higher rank = higher in the house; an import must go to an equal or lower rank (longest prefix wins;
 # the flat paxserve/ of before the rooms ranks as the engine).
 RANKS = {"server": 6, "paxserve": 5, "paxserve.engine": 5, "paxserve.distributed": 4, "paxserve.worker": 3,
-         "paxserve.core": 1, "models": 2, "pallas_kernels": 1}
+         "paxserve.core": 1, "models": 2, "pallas_kernels": 1,
+         # Settings and plain values every room may import.
+         "paxserve.config": 0, "paxserve.sampling_params": 0, "paxserve.structured_outputs": 0,
+         "paxserve.outputs": 0}
 
 
 def modules() -> dict[str, Path]:

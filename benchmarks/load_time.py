@@ -17,7 +17,7 @@ import tempfile
 _CHILD = """
 import json, sys, time
 start = time.perf_counter()
-from models import load_model
+from paxserve.models import load_model
 m = load_model(sys.argv[1] if sys.argv[1] != "-" else None, cache_dir=sys.argv[2])
 print(json.dumps({"load_seconds": m.load_seconds, "process_seconds": time.perf_counter() - start,
                   "from_cache": m.from_cache}))

@@ -37,10 +37,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from paxserve.kv_cache_manager import KVCacheManager  # noqa: E402
-from paxserve.request import Request  # noqa: E402
+from paxserve.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from paxserve.core.request import Request  # noqa: E402
+from paxserve.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from paxserve.sampling_params import SamplingParams  # noqa: E402
-from paxserve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
 from workload import clip_lengths, lognormal_lengths  # noqa: E402
 

@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.layers import mlp  # noqa: E402
-from models.moe import MoEParams, moe_mlp, route  # noqa: E402
+from paxserve.models.layers import mlp  # noqa: E402
+from paxserve.models.moe import MoEParams, moe_mlp, route  # noqa: E402
 
 
 def ragged_dot_moe(x: jax.Array, p: MoEParams, top_k: int) -> jax.Array:

@@ -13,8 +13,9 @@ on the folder its cold run filled. The log lines tell what was loaded and what w
 ready and during each answer. Medians over --runs.
 
 --baseline-tree PATH runs the same measurement on another checkout (e.g. `git worktree add /tmp/base
-<commit>`) in the same invocation: its servers start with cwd=PATH and PYTHONPATH=PATH, so they import
-that tree's paxserve, models, pallas_kernels and server. Trees alternate within each run (and which
+<commit>`) in the same invocation: every tree's servers start in, and with PYTHONPATH set to, that
+tree's import root (`benchmarks/checkout.py`: the tree itself before the namespaced install), so
+each imports its own tree's code. Trees alternate within each run (and which
 goes first alternates between runs), so both see the same machine state.
 
 The servers run without PYTHONDONTWRITEBYTECODE (set on the developer machines): as on a user's
@@ -41,6 +42,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkout import import_root, package_dirs  # noqa: E402  (a sibling script, importable from anywhere)
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPILED = re.compile(r"compiled (\w+-[\d-]+) in")
 # The engine's warm-up line; the "more stored programs found" part only exists since programs load lazily.
@@ -61,7 +65,7 @@ def _free_port() -> int:
 
 def _server_env(tree: Path, cache: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPATH"] = str(tree)  # this tree's packages ahead of any installed (editable) copy
+    env["PYTHONPATH"] = str(import_root(tree))  # this tree's packages ahead of any installed (editable) copy
     if cache is not None:
         env["XDG_CACHE_HOME"] = str(cache)
     return env
@@ -69,8 +73,10 @@ def _server_env(tree: Path, cache: Path | None = None) -> dict[str, str]:
 
 def prepare_tree(tree: Path) -> None:
     """Check that a server started on `tree` imports that tree's code, and byte-compile it."""
-    found = subprocess.run([sys.executable, "-c", "import paxserve, models; print(paxserve.__file__, models.__file__)"],
-                           cwd=tree, env=_server_env(tree), capture_output=True, text=True, check=True).stdout.split()
+    models = "paxserve.models" if package_dirs(tree) else "models"
+    found = subprocess.run([sys.executable, "-c", f"import paxserve, {models} as m; print(paxserve.__file__, m.__file__)"],
+                           cwd=import_root(tree), env=_server_env(tree), capture_output=True, text=True,
+                           check=True).stdout.split()
     if not all(Path(path).resolve().is_relative_to(tree.resolve()) for path in found):
         raise SystemExit(f"a server started on {tree} would import {found}, not that tree's code")
     subprocess.run([sys.executable, "-m", "compileall", "-q", *SOURCE_FOLDERS], cwd=tree, env=_server_env(tree),
@@ -94,8 +100,9 @@ def run_once(tree: Path, cache: Path, extra: list[str], log_path: Path | None = 
     ready_at: list[float] = []
     ready = threading.Event()
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "paxserve.cli", "serve", "--port", str(port), *extra],
-                            cwd=tree, env=_server_env(tree, cache), stdin=subprocess.DEVNULL,
+    cli = "paxserve.server.cli" if package_dirs(tree) else "paxserve.cli"  # where the tree keeps it
+    proc = subprocess.Popen([sys.executable, "-m", cli, "serve", "--port", str(port), *extra],
+                            cwd=import_root(tree), env=_server_env(tree, cache), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def pump() -> None:

@@ -174,7 +174,7 @@ def load_transformers_model(model: str | None = None):  # noqa: ANN201
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models.bundled import default_model_path
+    from paxserve.models.bundled import default_model_path
 
     path = Path(model) if model else default_model_path()
     if path.suffix == ".gguf":

@@ -21,11 +21,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.config import ModelConfig, model_config_from_hf  # noqa: E402
-from models.registry import get_architecture  # noqa: E402
-from models.sharding import device_share, param_bytes, size_problems, split_config  # noqa: E402
 from paxserve.config import EngineConfig  # noqa: E402
-from paxserve.memory import plan_kv_cache  # noqa: E402
+from paxserve.models.config import ModelConfig, model_config_from_hf  # noqa: E402
+from paxserve.models.registry import get_architecture  # noqa: E402
+from paxserve.models.sharding import device_share, param_bytes, size_problems, split_config  # noqa: E402
+from paxserve.worker.memory_plan import plan_kv_cache  # noqa: E402
 
 GiB = 2**30
 BF16 = np.dtype(ml_dtypes.bfloat16)

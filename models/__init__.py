@@ -1,8 +1,8 @@
 """Model families as pure functions over explicit params pytrees, and their checkpoint loading."""
 
-from models.config import ModelConfig, RopeScaling, model_config_from_hf
-from models.loader import LoadedModel, ModelInfo, inspect_model, load_model
-from models.registry import ARCHITECTURES, get_architecture
+from paxserve.models.config import ModelConfig, RopeScaling, model_config_from_hf
+from paxserve.models.loader import LoadedModel, ModelInfo, inspect_model, load_model
+from paxserve.models.registry import ARCHITECTURES, get_architecture
 
 __all__ = [
     "ARCHITECTURES",

@@ -265,7 +265,7 @@ def rope_from_parameters(theta: float, merged: dict[str, Any], hf: Mapping[str, 
 def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Build a `ModelConfig` from the dict in a Hugging Face `config.json`, through the family module
     registered for its `architectures` name."""
-    from models.registry import get_architecture  # the registry imports the families, which import this
+    from paxserve.models.registry import get_architecture  # the registry imports the families, which import this
 
     architectures = hf.get("architectures") or []
     if not architectures:

@@ -20,16 +20,16 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from models.config import ModelConfig
-from models.layers import dense, mlp, norm
-from models.moe import MLPParams, MoEParams, moe_mlp, take_layer
-from models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from pallas_kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
-from pallas_kernels.metadata import NO_WINDOW
-from pallas_kernels.alibi import alibi_slopes
+from paxserve.models.config import ModelConfig
+from paxserve.models.layers import dense, mlp, norm
+from paxserve.models.moe import MLPParams, MoEParams, moe_mlp, take_layer
+from paxserve.models.rope import apply_rope, rope_cos_sin, rope_frequencies
+from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
+from paxserve.kernels.metadata import NO_WINDOW
+from paxserve.kernels.alibi import alibi_slopes
 
 if TYPE_CHECKING:
-    from models.sharding import TensorParallel
+    from paxserve.models.sharding import TensorParallel
 
 
 @struct.dataclass

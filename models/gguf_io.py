@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from models.optional_import import import_for
+from paxserve.models.optional_import import import_for
 
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 

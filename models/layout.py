@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
-from models.decoder import DecoderParams, LayerParams
+from paxserve.models.config import ModelConfig
+from paxserve.models.decoder import DecoderParams, LayerParams
 
 LAYER_INDEX = "{i}"  # stands for the layer number in per-layer tensor names
 

@@ -26,13 +26,13 @@ import safetensors.numpy
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from models.bundled import default_model_path
-from models.config import ModelConfig, model_config_from_hf
-from models.gguf_io import GGUFCheckpoint
-from models.registry import Architecture, get_architecture
-from models.safetensors_io import SafetensorsCheckpoint
-from models.sharding import TensorParallel, map_fields, param_bytes
-from models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
+from paxserve.models.bundled import default_model_path
+from paxserve.models.config import ModelConfig, model_config_from_hf
+from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.models.registry import Architecture, get_architecture
+from paxserve.models.safetensors_io import SafetensorsCheckpoint
+from paxserve.models.sharding import TensorParallel, map_fields, param_bytes
+from paxserve.models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
 

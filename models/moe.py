@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from models.layers import Reduce, activation, dense, mlp
+from paxserve.models.layers import Reduce, activation, dense, mlp
 
 # Tile heights: below ~16 rows a tile's product is bound by reading its expert's matrix, so fewer,
 # taller tiles cost nothing extra and read each routed expert once; above 256 padding waste dominates.

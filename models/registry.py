@@ -12,10 +12,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from models import decoder, layout
-from models.config import ModelConfig
-from models.families import falcon, gemma3, llama, moe, qwen
-from models.families.common import llama_layout
+from paxserve.models import decoder, layout
+from paxserve.models.config import ModelConfig
+from paxserve.models.families import falcon, gemma3, llama, moe, qwen
+from paxserve.models.families.common import llama_layout
 
 # Tensors some checkpoints carry that hold nothing the model needs (old rotary caches).
 _ROTARY_CACHES = ("rotary_emb.inv_freq",)

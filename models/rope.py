@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from models.config import ModelConfig
+from paxserve.models.config import ModelConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> np.ndarray:

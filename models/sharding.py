@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.config import ModelConfig
+from paxserve.models.config import ModelConfig
 
 TP_AXIS = "tp"
 KV_CACHE_SPEC = P(None, None, None, TP_AXIS, None)  # [layers, blocks, block_size, kv_heads, head_dim]

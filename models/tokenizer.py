@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from models.gguf_io import GGUFCheckpoint, model_type_of
+from paxserve.models.gguf_io import GGUFCheckpoint, model_type_of
 
 logger = logging.getLogger(__name__)
 

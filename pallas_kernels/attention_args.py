@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.metadata import NO_WINDOW
+from paxserve.kernels.metadata import NO_WINDOW
 
 __all__ = ["check_alibi_slopes", "check_scale_and_cap", "check_sliding_window", "slopes_operand", "window_operand"]
 

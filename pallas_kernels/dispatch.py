@@ -18,20 +18,20 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.attention_args import Window
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.mosaic_attention import (
+from paxserve.kernels.attention_args import Window
+from paxserve.kernels.metadata import AttentionMetadata
+from paxserve.kernels.mosaic_attention import (
     MosaicAttentionConfig,
     mosaic_ragged_paged_attention,
     supports_mosaic_attention,
 )
-from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention import (
+from paxserve.kernels.reference import ragged_paged_attention_reference
+from paxserve.kernels.ragged_paged_attention import (
     RaggedPagedAttentionConfig,
     ragged_paged_attention,
     supports_ragged_paged_attention,
 )
-from pallas_kernels.self_check import self_check_attention
+from paxserve.kernels.self_check import self_check_attention
 
 logger = logging.getLogger(__name__)
 

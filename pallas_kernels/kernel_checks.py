@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from pallas_kernels.attention_args import Window, check_alibi_slopes, check_scale_and_cap, check_sliding_window
+from paxserve.kernels.attention_args import Window, check_alibi_slopes, check_scale_and_cap, check_sliding_window
 
 __all__ = ["MIN_DOT", "SUPPORTED_DTYPES", "check_decode_tables", "check_options", "is_pow2", "next_pow2", "supports_ragged_paged_attention",
            "validate_q_and_cache"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from pallas_kernels.pytree import pytree_dataclass
+from paxserve.kernels.pytree import pytree_dataclass
 
 
 @pytree_dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from pallas_kernels.pytree import pytree_dataclass
+from paxserve.kernels.pytree import pytree_dataclass
 
 NULL_BLOCK = 0
 # A sliding window that hides nothing, for the global layers of a windowed model whose per-layer

@@ -2,7 +2,7 @@
 
 Both entries cut the batch into *work units* with `jnp` inside the jit and run the one kernel of
 `mosaic_kernel.py` over (KV head, unit); their references are the XLA ones the tests compare with:
-`ragged_paged_attention_reference` (`paged_attention_reference.py`) and
+`ragged_paged_attention_reference` (`reference.py`) and
 `paged_decode_attention_reference` (`paged_attention.py`).
 
 * Query packing: each unit's rows (token x head of a KV group, see `mosaic_kernel.py`) are gathered
@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.attention_args import Window, slopes_operand, window_operand
-from pallas_kernels.kernel_checks import check_decode_tables, check_options, next_pow2, validate_q_and_cache
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.mosaic_kernel import (
+from paxserve.kernels.attention_args import Window, slopes_operand, window_operand
+from paxserve.kernels.kernel_checks import check_decode_tables, check_options, next_pow2, validate_q_and_cache
+from paxserve.kernels.metadata import AttentionMetadata
+from paxserve.kernels.mosaic_kernel import (
     ROWS,
     STAGE,
     U_KV_HI,
@@ -46,7 +46,7 @@ from pallas_kernels.mosaic_kernel import (
     launch_units,
     smem_bytes,
 )
-from pallas_kernels.paged_attention import combine_splits
+from paxserve.kernels.paged_attention import combine_splits
 
 __all__ = ["MosaicAttentionConfig", "mosaic_paged_decode_attention", "mosaic_ragged_paged_attention",
            "supports_mosaic_attention"]

@@ -32,8 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.attention_args import Window, slopes_operand, window_operand
-from pallas_kernels.kernel_checks import (
+from paxserve.kernels.attention_args import Window, slopes_operand, window_operand
+from paxserve.kernels.kernel_checks import (
     MIN_DOT,
     check_decode_tables,
     check_options,
@@ -41,9 +41,9 @@ from pallas_kernels.kernel_checks import (
     next_pow2,
     validate_q_and_cache,
 )
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention import _DOT_PRECISION, _SQUEEZED
+from paxserve.kernels.metadata import AttentionMetadata
+from paxserve.kernels.reference import ragged_paged_attention_reference
+from paxserve.kernels.ragged_paged_attention import _DOT_PRECISION, _SQUEEZED
 
 __all__ = ["PagedDecodeAttentionConfig", "paged_decode_attention", "paged_decode_attention_reference"]
 

@@ -3,7 +3,7 @@
 The batch is the engine's flattened ragged batch (see `metadata.py`): each sequence brings a query
 chunk (a prompt chunk or one decode token) that attends causally to its cached context through its
 block table. Semantics and signature match `ragged_paged_attention_reference` beside this file
-(`paged_attention_reference.py`), which is what CPU serving runs and what the tests compare with.
+(`reference.py`), which is what CPU serving runs and what the tests compare with.
 
 Work decomposition (all shapes static):
 
@@ -52,8 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.attention_args import Window, slopes_operand, window_operand
-from pallas_kernels.kernel_checks import (
+from paxserve.kernels.attention_args import Window, slopes_operand, window_operand
+from paxserve.kernels.kernel_checks import (
     MIN_DOT,
     check_options,
     is_pow2,
@@ -61,8 +61,8 @@ from pallas_kernels.kernel_checks import (
     supports_ragged_paged_attention,
     validate_q_and_cache,
 )
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
+from paxserve.kernels.metadata import AttentionMetadata
+from paxserve.kernels.reference import ragged_paged_attention_reference
 
 __all__ = [
     "RaggedPagedAttentionConfig",

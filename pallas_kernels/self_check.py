@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.alibi import alibi_slopes
-from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
-from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
+from paxserve.kernels.alibi import alibi_slopes
+from paxserve.kernels.metadata import NULL_BLOCK, AttentionMetadata
+from paxserve.kernels.reference import ragged_paged_attention_reference
 
 if TYPE_CHECKING:  # dispatch imports this module for its default self-check
-    from pallas_kernels.dispatch import AttentionBackend
+    from paxserve.kernels.dispatch import AttentionBackend
 
 __all__ = ["self_check_attention", "tolerance_for"]
 
@@ -55,7 +55,7 @@ def _describe(error: BaseException) -> str:
 
 def _problem(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int):
     """Numpy float32 q, K/V caches (NaN outside the sequences' contexts) and int32 metadata arrays,
-    laid out as `paxserve.batch.build_batch` does (pallas_kernels does not import the engine)."""
+    laid out as `paxserve.worker.step_inputs.build_batch` does (pallas_kernels does not import the engine)."""
     rng = np.random.default_rng(seed)
     bs = block_size
     # (tokens already cached, new tokens, allocated blocks beyond the context: NaN, never written)
@@ -166,7 +166,7 @@ def self_check_attention(
 
 def _check_one(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                metadata: AttentionMetadata, n: int, head_dim: int, kwargs: dict) -> str | None:
-    from pallas_kernels.dispatch import attention  # here: dispatch imports this module
+    from paxserve.kernels.dispatch import attention  # here: dispatch imports this module
 
     layer = jnp.asarray(_LAYER, jnp.int32)
     sm_scale = float(head_dim) ** -0.5

@@ -14,8 +14,8 @@ __all__ = ["AsyncEngine", "Engine", "EngineConfig", "RequestOutput", "Completion
            "SamplingParams"]
 
 _LAZY = {
-    "Engine": "paxserve.engine",
-    "AsyncEngine": "paxserve.async_engine",
+    "Engine": "paxserve.engine.llm_engine",
+    "AsyncEngine": "paxserve.engine.async_engine",
     "EngineConfig": "paxserve.config",
     "RequestOutput": "paxserve.outputs",
     "CompletionOutput": "paxserve.outputs",

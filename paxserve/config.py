@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from paxserve.cluster import ClusterConfig
 
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -23,6 +22,40 @@ def no_hub_message(what: str, value: str) -> str:
     """Why a hub revision cannot be honoured (the CLI and EngineConfig say the same)."""
     return (f"{what} {value!r}: paxserve has no model hub, so it cannot fetch a revision; download that revision "
             f"(e.g. `huggingface-cli download MODEL --revision {value} --local-dir DIR`) and pass its path")
+
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """vLLM's multi-node flags: --nnodes, --node-rank, --master-addr, --master-port, plus the
+    start-up and liveness timeouts."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    init_timeout_s: float = 300.0  # how long start-up waits for every rank to join
+    heartbeat_timeout_s: float = 10.0  # how long a rank may go unheard before the others give up on it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"nnodes must be an integer >= 1, got {self.nnodes!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes - 1}] for nnodes={self.nnodes}, got "
+                             f"{self.node_rank!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError("master_addr must be rank 0's host name or address")
+        if not isinstance(self.master_port, int) or not 1 <= self.master_port <= 65534:
+            raise ValueError(f"master_port must be in [1, 65534] (rank 0 also listens on the next port), got "
+                             f"{self.master_port!r}")
+        if not self.init_timeout_s > 0:
+            raise ValueError(f"distributed init timeout must be > 0 seconds, got {self.init_timeout_s}")
+        if not self.heartbeat_timeout_s >= 1:
+            raise ValueError(f"distributed heartbeat timeout must be >= 1 second, got {self.heartbeat_timeout_s}")
+
+    @property
+    def is_multi_host(self) -> bool:
+        return self.nnodes > 1
 
 
 @dataclass(slots=True)
@@ -63,7 +96,7 @@ class EngineConfig:
     tokenizer_revision: str | None = None
     code_revision: str | None = None
     # Multi-host (vLLM's --nnodes, --node-rank, --master-addr, --master-port): every rank builds the
-    # engine with the same settings; rank 0 schedules, the others run its steps (paxserve/cluster.py).
+    # engine with the same settings; rank 0 schedules, the others run its steps (paxserve/distributed/cluster.py).
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

@@ -21,13 +21,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import paxserve
-from server.errors import ProtocolError, error_middleware, from_value_error
-from server.handlers import chat_completions, completions
-from server.metrics import ServerMetrics
-from server.protocol import check_model, check_request_chat_template, get_bool, get_dict, parse_messages, token_ids
-from server.request_body import read_json
-from server.settings import ServerSettings
-from server.state import STATE, ServerState
+from paxserve.server.errors import ProtocolError, error_middleware, from_value_error
+from paxserve.server.handlers import chat_completions, completions
+from paxserve.server.metrics import ServerMetrics
+from paxserve.server.protocol import check_model, check_request_chat_template, get_bool, get_dict, parse_messages, token_ids
+from paxserve.server.request_body import read_json
+from paxserve.server.settings import ServerSettings
+from paxserve.server.state import STATE, ServerState
 
 logger = logging.getLogger("paxserve.server")
 

@@ -87,7 +87,7 @@ def from_value_error(e: ValueError, default_param: str | None = None,
 
 
 def _value_error_param(e: ValueError, default_param: str | None) -> str | None:
-    param = getattr(e, "param", None)  # paxserve.input_processor.RequestError names its field
+    param = getattr(e, "param", None)  # paxserve.engine.input_processor.RequestError names its field
     if param is not None:
         return param
     message = str(e)

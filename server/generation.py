@@ -21,9 +21,9 @@ from typing import Any
 
 from paxserve.outputs import RequestOutput
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
-from server.errors import ProtocolError, engine_stopped, from_value_error, internal_error
-from server.metrics import RequestTracker, ServerMetrics
-from server.prompts import PromptInput
+from paxserve.server.errors import ProtocolError, engine_stopped, from_value_error, internal_error
+from paxserve.server.metrics import RequestTracker, ServerMetrics
+from paxserve.server.prompts import PromptInput
 
 logger = logging.getLogger("paxserve.server")
 

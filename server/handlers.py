@@ -10,14 +10,14 @@ from typing import Any, Callable
 from aiohttp import web
 
 from paxserve.outputs import CompletionOutput, RequestOutput
-from server import responses as R
-from server.errors import ProtocolError, from_value_error, internal_error
-from server.generation import GenerationRun, ServerShutdown, engine_failure
-from server.prompts import PromptInput, render_prompts
-from server.protocol import GenerationSpec, parse_chat_request, parse_completion_request
-from server.request_body import read_json
-from server.state import STATE, ServerState
-from server.streaming import send_done, send_error, send_event, start_stream
+from paxserve.server import responses as R
+from paxserve.server.errors import ProtocolError, from_value_error, internal_error
+from paxserve.server.generation import GenerationRun, ServerShutdown, engine_failure
+from paxserve.server.prompts import PromptInput, render_prompts
+from paxserve.server.protocol import GenerationSpec, parse_chat_request, parse_completion_request
+from paxserve.server.request_body import read_json
+from paxserve.server.state import STATE, ServerState
+from paxserve.server.streaming import send_done, send_error, send_event, start_stream
 
 logger = logging.getLogger("paxserve.server")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import ProtocolError, from_value_error
-from server.protocol import GenerationSpec
+from paxserve.server.errors import ProtocolError, from_value_error
+from paxserve.server.protocol import GenerationSpec
 
 
 @dataclass(slots=True)

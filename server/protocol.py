@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paxserve.sampling_params import SamplingParams
+from paxserve.server.errors import ProtocolError, from_value_error
+from paxserve.server.settings import ServerSettings
+from paxserve.server.structured import parse_structured_outputs
+from paxserve.server.tools import ChatOutputParsers, parse_tools, template_tool_calls
 from paxserve.structured_outputs import StructuredOutputsParams
-from server.errors import ProtocolError, from_value_error
-from server.settings import ServerSettings
-from server.structured import parse_structured_outputs
-from server.tools import ChatOutputParsers, parse_tools, template_tool_calls
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP_STRING_CHARS = 1024  # a stop string longer than this is a mistake, and costs every token a scan

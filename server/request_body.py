@@ -6,9 +6,9 @@ from typing import Any
 
 from aiohttp import web
 
-from server.errors import ProtocolError
-from server.protocol import parse_json_body
-from server.transport import read_body
+from paxserve.server.errors import ProtocolError
+from paxserve.server.protocol import parse_json_body
+from paxserve.server.transport import read_body
 
 _JSON_TYPES = ("application/json",)
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
-from server.settings import DEFAULT_MODEL_NAME, ServerSettings
-from server.transport import TransportLimits, make_runner
+from paxserve.server.settings import DEFAULT_MODEL_NAME, ServerSettings
+from paxserve.server.transport import TransportLimits, make_runner
 
 logger = logging.getLogger("paxserve.server")
 HANDLER_GRACE_S = 2.0  # after the in-flight requests were aborted, handlers get this long to end
@@ -87,8 +87,8 @@ def run_server(args: argparse.Namespace) -> int:
     chat_template = _chat_template(args.chat_template)  # fail on a bad template before loading anything
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
-    from paxserve.async_engine import AsyncEngine  # JAX comes in here, not at import time
-    from paxserve.engine import Engine
+    from paxserve.engine.async_engine import AsyncEngine  # JAX comes in here, not at import time
+    from paxserve.engine.llm_engine import Engine
 
     start = time.perf_counter()
     logger.info("paxserve %s: loading %s", _version(), args.model or f"the bundled {DEFAULT_MODEL_NAME}")
@@ -137,8 +137,8 @@ def _version() -> str:
 async def serve(async_engine: Any, settings: ServerSettings, host: str | None, port: int,
                 limits: TransportLimits | None = None, shutdown_timeout: float = 0.0) -> int:
     """Serve until a signal or an engine death; return the process exit status (0, or 1 after a death)."""
-    from server.app import create_app
-    from server.state import STATE
+    from paxserve.server.app import create_app
+    from paxserve.server.state import STATE
 
     app = create_app(async_engine, settings)
     state = app[STATE]

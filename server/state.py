@@ -7,15 +7,15 @@ from typing import Any
 
 from aiohttp import web
 
-from server.errors import ProtocolError, engine_stopped
-from server.generation import GenerationRun
-from server.metrics import ServerMetrics
-from server.settings import ServerSettings
+from paxserve.server.errors import ProtocolError, engine_stopped
+from paxserve.server.generation import GenerationRun
+from paxserve.server.metrics import ServerMetrics
+from paxserve.server.settings import ServerSettings
 
 
 @dataclass(slots=True)
 class ServerState:
-    async_engine: Any  # paxserve.async_engine.AsyncEngine (not imported: it pulls in JAX)
+    async_engine: Any  # paxserve.engine.async_engine.AsyncEngine (not imported: it pulls in JAX)
     settings: ServerSettings
     metrics: ServerMetrics
     created: int

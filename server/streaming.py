@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from server.errors import ProtocolError
+from paxserve.server.errors import ProtocolError
 
 DONE = b"data: [DONE]\n\n"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from paxserve.server.errors import ProtocolError
 from paxserve.structured_outputs import StructuredOutputsParams
-from server.errors import ProtocolError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")

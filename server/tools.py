@@ -17,12 +17,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from paxserve.structured_outputs import StructuredOutputsParams
-from server.errors import ProtocolError
-from server.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
-from server.settings import ServerSettings
-from server.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStream, ToolParser, get_tool_parser,
+from paxserve.server.errors import ProtocolError
+from paxserve.server.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
+from paxserve.server.settings import ServerSettings
+from paxserve.server.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStream, ToolParser, get_tool_parser,
                                  named_tool_schema, required_tools_schema, validate_tool_choice, validate_tools)
+from paxserve.structured_outputs import StructuredOutputsParams
 
 
 @dataclass(slots=True)

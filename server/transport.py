@@ -49,7 +49,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import (BadHttpMethod, BadStatusLine, ContentLengthError, HttpProcessingError,
                                      InvalidHeader, InvalidURLError, LineTooLong, TransferEncodingError)
 
-from server.errors import ProtocolError, error_response, internal_error
+from paxserve.server.errors import ProtocolError, error_response, internal_error
 
 logger = logging.getLogger("paxserve.server")
 

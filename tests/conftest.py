@@ -87,9 +87,9 @@ def _release_compiled_programs_per_module():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The bundled SmolLM2 tokenizer (reading the GGUF metadata takes seconds: once per run)."""
-    from models.bundled import default_model_path
-    from models.gguf_io import GGUFCheckpoint
-    from models.tokenizer import tokenizer_from_gguf
+    from paxserve.models.bundled import default_model_path
+    from paxserve.models.gguf_io import GGUFCheckpoint
+    from paxserve.models.tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(GGUFCheckpoint(default_model_path()))
 
@@ -101,7 +101,7 @@ def hf_smollm2():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models.bundled import default_model_path
+    from paxserve.models.bundled import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import numpy as np
 
-from paxserve.batch import SeqChunk, build_batch, next_power_of_2
-from paxserve.model_runner import ModelRunner
+from paxserve.worker.model_runner import ModelRunner
+from paxserve.worker.step_inputs import SeqChunk, build_batch, next_power_of_2
 
 
 def greedy_stream(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from models.config import ModelConfig, eos_ids_from_hf, rope_from_hf
-from models.layout import LAYER_INDEX, Layout, linear, vector
+from paxserve.models.config import ModelConfig, eos_ids_from_hf, rope_from_hf
+from paxserve.models.layout import LAYER_INDEX, Layout, linear, vector
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)

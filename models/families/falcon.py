@@ -15,8 +15,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from models.config import ModelConfig, eos_ids_from_hf, rope_from_hf
-from models.layout import LAYER_INDEX, Layout, linear, vector
+from paxserve.models.config import ModelConfig, eos_ids_from_hf, rope_from_hf
+from paxserve.models.layout import LAYER_INDEX, Layout, linear, vector
 
 
 def _layout_kind(hf: Mapping[str, Any]) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from models.config import ModelConfig, rope_from_parameters
-from models.families.common import FULL, SLIDING, base_fields, llama_layout, windows_from_layer_types
-from models.layout import Layout
+from paxserve.models.config import ModelConfig, rope_from_parameters
+from paxserve.models.families.common import FULL, SLIDING, base_fields, llama_layout, windows_from_layer_types
+from paxserve.models.layout import Layout
 
 # Gemma3TextConfig's defaults, for config.json files that leave fields out.
 _DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,

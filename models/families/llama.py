@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from models.config import ModelConfig
-from models.families.common import base_fields
+from paxserve.models.config import ModelConfig
+from paxserve.models.families.common import base_fields
 
 
 def llama_config(hf: Mapping[str, Any]) -> ModelConfig:

@@ -17,11 +17,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from models.config import ModelConfig
-from models.families.common import FULL, SLIDING, base_fields, llama_layout, windows_from_layer_types
-from models.families.qwen import qwen_window
-from models.layout import LAYER_INDEX, Layout, Stack, linear
-from models.moe import MLPParams, MoEParams
+from paxserve.models.config import ModelConfig
+from paxserve.models.families.common import FULL, SLIDING, base_fields, llama_layout, windows_from_layer_types
+from paxserve.models.families.qwen import qwen_window
+from paxserve.models.layout import LAYER_INDEX, Layout, Stack, linear
+from paxserve.models.moe import MLPParams, MoEParams
 
 
 def _num_experts(hf: Mapping[str, Any], default: int) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from models.config import ModelConfig
-from models.families.common import FULL, SLIDING, base_fields, windows_from_layer_types
+from paxserve.models.config import ModelConfig
+from paxserve.models.families.common import FULL, SLIDING, base_fields, windows_from_layer_types
 
 
 def qwen_window(hf: Mapping[str, Any]) -> int | None:

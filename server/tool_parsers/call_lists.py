@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.tool_parsers.call_object import CallObject
-from server.tool_parsers.calls import CallSink
-from server.tool_parsers.json_scan import MalformedCall, skip_whitespace
+from paxserve.server.tool_parsers.call_object import CallObject
+from paxserve.server.tool_parsers.calls import CallSink
+from paxserve.server.tool_parsers.json_scan import MalformedCall, skip_whitespace
 
 
 @dataclass(slots=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from server.tool_parsers.base import StreamDelta, ToolCallStream, default_call_id
-from server.tool_parsers.calls import CallBody, CallSink
-from server.tool_parsers.json_scan import MalformedCall, skip_whitespace
-from server.tool_parsers.text import ContentGate, partial_marker_len
+from paxserve.server.tool_parsers.base import StreamDelta, ToolCallStream, default_call_id
+from paxserve.server.tool_parsers.calls import CallBody, CallSink
+from paxserve.server.tool_parsers.json_scan import MalformedCall, skip_whitespace
+from paxserve.server.tool_parsers.text import ContentGate, partial_marker_len
 
 
 @dataclass(frozen=True, slots=True)

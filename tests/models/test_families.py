@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import LoadedModel, load_model
 from paxserve import Engine, SamplingParams
-from paxserve.batch import SeqChunk, build_batch
-from paxserve.model_runner import ModelRunner
+from paxserve.models import LoadedModel, load_model
+from paxserve.worker.model_runner import ModelRunner
+from paxserve.worker.step_inputs import SeqChunk, build_batch
 from tests.helpers import rel_error, release_compiled_programs
 from tests.models.family_checkpoints import FAMILIES, MOE_FAMILIES, VOCAB, make_family_checkpoint
 from tests.paged_greedy import greedy_tokens_and_logits

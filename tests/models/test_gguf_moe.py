@@ -18,10 +18,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models import load_model
-from models.gguf_io import GGUFCheckpoint
-from paxserve.batch import SeqChunk, build_batch
-from paxserve.model_runner import ModelRunner
+from paxserve.models import load_model
+from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.worker.model_runner import ModelRunner
+from paxserve.worker.step_inputs import SeqChunk, build_batch
 from tests.helpers import rel_error
 from tests.models.family_checkpoints import FAMILIES
 from tests.models.test_gguf_tiny import _byte_level_vocab, _write_gguf

@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.bundled import default_model_path
-from models.gguf_io import GGUFCheckpoint
-from models.tokenizer import tokenizer_from_gguf
+from paxserve.models.bundled import default_model_path
+from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.models.tokenizer import tokenizer_from_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from models.gguf_io import GGUFCheckpoint
-from models.tokenizer import tokenizer_from_gguf
+from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.models.tokenizer import tokenizer_from_gguf
 
 TEXTS = ["Hello there, the thin thing", "  two  spaces\tand\ttabs\n\nnewlines", "the 123 4567 1e-9",
          "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>", "naïve 日本語 🤖 ٣", "", "   ", "I'm you're THEY'LL"]
@@ -258,7 +258,7 @@ def test_param_cache_entries_appear_whole_when_written_twice_or_over_a_damaged_o
     An entry left without its completion mark (a crashed writer) is converted again and replaced."""
     import jax
 
-    from models.loader import _COMPLETE, _gguf_cache_entry, _load_gguf, _save_cached
+    from paxserve.models.loader import _COMPLETE, _gguf_cache_entry, _load_gguf, _save_cached
 
     path = _convert(_random_model("qwen2", **CASES["qwen2"]), "qwen2", tmp_path / "tiny-qwen2.gguf")
     cache = tmp_path / "cache"
@@ -297,7 +297,7 @@ def test_param_cache_file_keeps_every_dtype_and_refuses_another_model(tmp_path: 
     import jax
     import jax.numpy as jnp
 
-    from models.loader import _read_params, _write_params
+    from paxserve.models.loader import _read_params, _write_params
 
     params = {"embed": jnp.linspace(-3, 3, 12, dtype=jnp.bfloat16).reshape(3, 4),
               "layers": [jnp.full((2,), 0.1, jnp.float16), jnp.arange(5, dtype=jnp.float32)]}

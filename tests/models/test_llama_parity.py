@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import LoadedModel, load_model
-from paxserve.batch import SeqChunk, build_batch, next_power_of_2
+from paxserve.models import LoadedModel, load_model
+from paxserve.worker.step_inputs import SeqChunk, build_batch, next_power_of_2
 from tests.paged_greedy import greedy_tokens_and_logits
-from paxserve.model_runner import ModelRunner
+from paxserve.worker.model_runner import ModelRunner
 from tests.helpers import make_tiny_llama, rel_error
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models import load_model
-from models.loader import LoadedModel
+from paxserve.models import load_model
+from paxserve.models.loader import LoadedModel
 from tests.helpers import TINY_BASE, make_tiny_llama
 
 WEIGHTS = "model.safetensors"

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import load_model
-from models.config import ModelConfig
-from models.moe import experts_forward, experts_forward_reference, plan_tiles, route, tile_rows_for
-from paxserve.batch import SeqChunk, build_batch
-from paxserve.model_runner import ModelRunner
+from paxserve.models import load_model
+from paxserve.models.config import ModelConfig
+from paxserve.models.moe import experts_forward, experts_forward_reference, plan_tiles, route, tile_rows_for
+from paxserve.worker.model_runner import ModelRunner
+from paxserve.worker.step_inputs import SeqChunk, build_batch
 from tests.models.family_checkpoints import FAMILIES, VOCAB, make_family_checkpoint
 from tests.paged_greedy import greedy_tokens_and_logits
 
@@ -181,7 +181,7 @@ def test_config_checks_and_describes_the_experts() -> None:
 def test_memory_plan_counts_every_expert_and_the_log_says_what_is_active(mixtral, caplog) -> None:
     import logging
 
-    from models.loader import inspect_model
+    from paxserve.models.loader import inspect_model
 
     _, model, directory = mixtral
     leaves = jax.tree.leaves(model.params)
@@ -189,7 +189,7 @@ def test_memory_plan_counts_every_expert_and_the_log_says_what_is_active(mixtral
     cfg = model.config
     expert_params = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert model.params.moe.experts_up_w.size + model.params.moe.experts_down_w.size == expert_params
-    with caplog.at_level(logging.INFO, logger="models.loader"):
+    with caplog.at_level(logging.INFO, logger="paxserve.models.loader"):
         load_model(directory)
     total = sum(a.size for a in leaves)
     active = total - cfg.num_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -201,7 +201,7 @@ def test_memory_plan_counts_every_expert_and_the_log_says_what_is_active(mixtral
 def test_qwen_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
     """Qwen's rule: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in
     mlp_only_layers; a config with no sparse layer is a dense model."""
-    from models.config import model_config_from_hf
+    from paxserve.models.config import model_config_from_hf
 
     hf = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=32, hidden_size=16, intermediate_size=24,
               num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -222,7 +222,7 @@ def test_windows_follow_transformers_config_classes() -> None:
     `layer_types`, or its own default pattern when a config omits them); Qwen3-MoE windows every layer."""
     import transformers
 
-    from models.config import model_config_from_hf
+    from paxserve.models.config import model_config_from_hf
 
     small = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=6, num_attention_heads=2,
                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from models.optional_import import MissingPackageError
+from paxserve.models.optional_import import MissingPackageError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_engine_server_and_gpu_check_import_without_gguf_or_llguidance() -> None
     # A fresh interpreter where both packages are absent (a None entry in sys.modules is what an
     # uninstalled package looks like to import and to importlib.util.find_spec).
     code = ("import sys; sys.modules.update(gguf=None, llguidance=None)\n"
-            "import paxserve.engine, paxserve.async_engine, server.serve, paxserve.cli, models.loader\n"
+            "import paxserve.engine.llm_engine, paxserve.engine.async_engine, server.serve, paxserve.server.cli, models.loader\n"
             "import benchmarks.gpu_check, benchmarks.gpu_check_kernels, benchmarks.gpu_check_e2e\n"
             "print('imported')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -26,7 +26,7 @@ def test_engine_server_and_gpu_check_import_without_gguf_or_llguidance() -> None
 
 
 def test_reading_a_gguf_file_without_gguf_names_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from models.gguf_io import GGUFCheckpoint
+    from paxserve.models.gguf_io import GGUFCheckpoint
 
     monkeypatch.setitem(sys.modules, "gguf", None)
     path = tmp_path / "model.gguf"
@@ -36,7 +36,7 @@ def test_reading_a_gguf_file_without_gguf_names_the_package(tmp_path: Path, monk
 
 
 def test_a_constraint_without_llguidance_is_a_grammar_error_naming_it(smollm2_tokenizer, monkeypatch) -> None:  # noqa: ANN001
-    from paxserve.grammar import GrammarCompiler, GrammarError
+    from paxserve.engine.grammar import GrammarCompiler, GrammarError
     from paxserve.structured_outputs import StructuredOutputsParams
 
     monkeypatch.setitem(sys.modules, "llguidance", None)

@@ -12,8 +12,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from models.config import ROPE_TYPES, ModelConfig, RopeScaling, model_config_from_hf
-from models.rope import apply_rope, rope_cos_sin, rope_frequencies
+from paxserve.models.config import ROPE_TYPES, ModelConfig, RopeScaling, model_config_from_hf
+from paxserve.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 ARCH = ["LlamaForCausalLM"]
 BASE: dict[str, Any] = dict(

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import LoadedModel, load_model
-from models.bundled import default_model_path
-from paxserve.batch import SeqChunk, build_batch
-from paxserve.model_runner import ModelRunner
+from paxserve.models import LoadedModel, load_model
+from paxserve.models.bundled import default_model_path
+from paxserve.worker.model_runner import ModelRunner
+from paxserve.worker.step_inputs import SeqChunk, build_batch
 from tests.helpers import rel_error
 
 CHATS = [

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from models import load_model
-from models.config import ModelConfig
-from models.sharding import TensorParallel, valid_sizes
-from paxserve.model_runner import ModelRunner
+from paxserve.models import load_model
+from paxserve.models.config import ModelConfig
+from paxserve.models.sharding import TensorParallel, valid_sizes
+from paxserve.worker.model_runner import ModelRunner
 from tests.helpers import make_tiny_llama, rel_error
 from tests.models.family_checkpoints import VOCAB, make_family_checkpoint
 from tests.models.test_families import hf_greedy, prompts_for

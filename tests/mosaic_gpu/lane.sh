@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 JAX_VERSION=0.11.2
 PY=.venv-mosaic/bin/python
-if ! "$PY" -c "import jax, flax, transformers, paxserve, ml_dtypes, pytest, xdist, sys; sys.exit(jax.__version__ != '$JAX_VERSION')" 2>/dev/null; then
+if ! "$PY" -c "import jax, flax, transformers, paxserve.kernels, ml_dtypes, pytest, xdist, sys; sys.exit(jax.__version__ != '$JAX_VERSION')" 2>/dev/null; then
     if ! PYENV_VERSION=3.12.1 python3.12 -c "" 2>/dev/null; then
         echo "mosaic lane: Python 3.12 is needed (PYENV_VERSION=3.12.1 python3.12) and was not found" >&2
         exit 1

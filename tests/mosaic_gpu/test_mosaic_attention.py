@@ -19,12 +19,12 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import tests.pallas_kernels.test_reference_attention as ref_tests
-from pallas_kernels.mosaic_attention import (
+from paxserve.kernels.mosaic_attention import (
     MosaicAttentionConfig,
     mosaic_paged_decode_attention,
     mosaic_ragged_paged_attention,
 )
-from pallas_kernels.paged_attention import paged_decode_attention_reference
+from paxserve.kernels.paged_attention import paged_decode_attention_reference
 from tests.pallas_kernels.test_attention_variants import assert_close, dense_attention, random_slopes, written
 from tests.helpers import lower_for_cuda
 from tests.pallas_kernels.test_reference_attention import LAYER, Seq, make_case

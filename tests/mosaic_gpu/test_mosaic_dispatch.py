@@ -8,7 +8,7 @@ import logging
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import REFERENCE, AttentionBackend, resolve_attention_backend, self_check_attention
+from paxserve.kernels import REFERENCE, AttentionBackend, resolve_attention_backend, self_check_attention
 
 MOSAIC_INTERPRET = AttentionBackend("mosaic", interpret=True)
 
@@ -32,7 +32,7 @@ def test_a_kernel_that_cannot_run_falls_back(caplog: pytest.LogCaptureFixture) -
     shapes = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
     reason = self_check_attention(AttentionBackend("mosaic"), **shapes)
     assert reason is not None and reason.startswith("compile/run failed: ")
-    caplog.set_level(logging.INFO, logger="pallas_kernels.dispatch")
+    caplog.set_level(logging.INFO, logger="paxserve.kernels.dispatch")
     assert resolve_attention_backend("auto", "gpu", **shapes, compute_capability="9.0") == REFERENCE
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("Mosaic GPU kernel failed its start-up self-check" in w and reason in w for w in warnings), warnings

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.paged_attention  # noqa: F401 - the submodule must not shadow a package-level name
-from models import load_model
-from pallas_kernels import REFERENCE, AttentionBackend, resolve_attention_backend
+import paxserve.kernels.paged_attention  # noqa: F401 - the submodule must not shadow a package-level name
 from paxserve import Engine, SamplingParams
-from paxserve.batch import SeqChunk, build_batch, next_power_of_2
 from paxserve.config import EngineConfig
-from paxserve.model_runner import ModelRunner
+from paxserve.kernels import REFERENCE, AttentionBackend, resolve_attention_backend
+from paxserve.models import load_model
+from paxserve.worker.model_runner import ModelRunner
+from paxserve.worker.step_inputs import SeqChunk, build_batch, next_power_of_2
 from tests.helpers import make_tiny_llama, rel_error
 
 PALLAS_INTERPRET = AttentionBackend("pallas", interpret=True)
@@ -68,7 +68,7 @@ def test_auto_picks_mosaic_on_hopper_and_falls_back_in_order(caplog: pytest.LogC
     assert resolve("gpu", None, failing()) == triton
     assert resolve("rocm", "9.0", failing()) == triton
     tried.clear()
-    caplog.set_level(logging.INFO, logger="pallas_kernels.dispatch")
+    caplog.set_level(logging.INFO, logger="paxserve.kernels.dispatch")
     assert resolve("gpu", "9.0", failing("mosaic")) == triton and tried == ["mosaic", "triton"]
     assert any("Mosaic GPU kernel failed its start-up self-check on gpu (wrong numbers)" in r.getMessage()
                for r in caplog.records)

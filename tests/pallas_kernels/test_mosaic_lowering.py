@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import AttentionMetadata, mosaic_paged_decode_attention, mosaic_ragged_paged_attention
+from paxserve.kernels import AttentionMetadata, mosaic_paged_decode_attention, mosaic_ragged_paged_attention
 from tests.helpers import lower_for_cuda
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import tests.pallas_kernels.test_reference_attention as ref_tests
 from tests.helpers import lower_for_cuda
-from pallas_kernels.paged_attention import (
+from paxserve.kernels.paged_attention import (
     PagedDecodeAttentionConfig,
     _launch_shape,
     paged_decode_attention,

@@ -20,10 +20,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import pallas_kernels.paged_attention_reference as ref_module
-from pallas_kernels.metadata import NULL_BLOCK, AttentionMetadata
-from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference, write_kv_reference
-from paxserve.batch import Batch, SeqChunk, build_batch
+import paxserve.kernels.reference as ref_module
+from paxserve.kernels.metadata import NULL_BLOCK, AttentionMetadata
+from paxserve.kernels.reference import ragged_paged_attention_reference, write_kv_reference
+from paxserve.worker.step_inputs import Batch, SeqChunk, build_batch
 
 BASE_SEED = int(os.environ.get("PAXSERVE_TEST_SEED", secrets.randbits(31)))
 print(f"test_reference_attention: PAXSERVE_TEST_SEED={BASE_SEED}")

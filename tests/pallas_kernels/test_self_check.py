@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import pallas_kernels.dispatch as dispatch
-from pallas_kernels import REFERENCE, AttentionBackend, ragged_paged_attention_reference, resolve_attention_backend
-from pallas_kernels.self_check import self_check_attention
+import paxserve.kernels.dispatch as dispatch
+from paxserve.kernels import REFERENCE, AttentionBackend, ragged_paged_attention_reference, resolve_attention_backend
+from paxserve.kernels.self_check import self_check_attention
 
 PALLAS = AttentionBackend("pallas")
 PALLAS_INTERPRET = AttentionBackend("pallas", interpret=True)
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=jnp.float32)
-LOGGER = "pallas_kernels.dispatch"
+LOGGER = "paxserve.kernels.dispatch"
 
 
 @pytest.mark.parametrize(

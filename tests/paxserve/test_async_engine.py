@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from paxserve import AsyncEngine, Engine, SamplingParams
-from paxserve.async_engine import EngineDeadError
+from paxserve.engine.async_engine import EngineDeadError
 from paxserve.outputs import RequestOutput
 from paxserve.sampling_params import RequestOutputKind
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, VOCAB, tiny_dir  # noqa: F401 - module fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paxserve.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, FreeBlockQueue, KVCacheBlock, hash_block
+from paxserve.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, FreeBlockQueue, KVCacheBlock, hash_block
 
 
 def ids(blocks) -> list[int]:
@@ -303,7 +303,7 @@ def test_block_keys_are_sha256_chains_stable_across_processes():
     key = h(1, 2, 3, 4)
     assert isinstance(key.value, bytes) and len(key.value) == hashlib.sha256().digest_size
     # Python's own hash() of tuples changes with PYTHONHASHSEED; these keys must not.
-    code = "from paxserve.block_pool import hash_block; print(hash_block(None, (1, 2, 3, 4)).value.hex())"
+    code = "from paxserve.core.block_pool import hash_block; print(hash_block(None, (1, 2, 3, 4)).value.hex())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=str(__import__("pathlib").Path(
                                __file__).resolve().parents[2])).stdout.strip()

@@ -1,4 +1,4 @@
-"""paxserve.chat_template: same text as transformers' apply_chat_template, plus time and size limits."""
+"""paxserve.engine.chat_template.template: same text as transformers' apply_chat_template, plus time and size limits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from paxserve.chat_template import ChatTemplateError, RenderLimits, render_chat_template
+from paxserve.engine.chat_template.template import ChatTemplateError, RenderLimits, render_chat_template
 
 FAST = RenderLimits(timeout_s=0.5)
 
@@ -30,9 +30,9 @@ DOCS: list[dict[str, Any]] = [{"title": "Doc one", "text": "Alpha"}, {"title": "
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    from models.bundled import default_model_path
-    from models.gguf_io import GGUFCheckpoint
-    from models.tokenizer import tokenizer_from_gguf
+    from paxserve.models.bundled import default_model_path
+    from paxserve.models.gguf_io import GGUFCheckpoint
+    from paxserve.models.tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(GGUFCheckpoint(default_model_path()))
 
@@ -380,7 +380,7 @@ def test_amplifiers_are_refused_before_they_allocate(template: str) -> None:
 
 
 def test_compiled_templates_are_cached() -> None:
-    from paxserve import chat_template as ct
+    from paxserve.engine.llm_engine.chat_template import template as ct
 
     template = "{{ messages|length }} cached"
     assert render_chat_template(template, CHAT) == "4 cached"

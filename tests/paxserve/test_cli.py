@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from paxserve.cli import main
+from paxserve.server.cli import main
 from tests.helpers import real_model_env
 
 
 def test_generate_streams_a_greedy_answer_from_the_default_model() -> None:
     env = real_model_env()  # the run's cache directory (tests/conftest.py): a second start, as users mostly see
     proc = subprocess.run(
-        [sys.executable, "-m", "paxserve.cli", "generate", "--chat", "--prompt", "What is the capital of France?",
+        [sys.executable, "-m", "paxserve.server.cli", "generate", "--chat", "--prompt", "What is the capital of France?",
          "--max-tokens", "12"],
         capture_output=True, text=True, env=env, timeout=300,
     )
@@ -39,7 +39,7 @@ def test_generate_rejects_bad_flags(argv: list[str], capsys) -> None:
 
 
 def test_attention_backend_flag_is_validated(capsys) -> None:
-    from paxserve.cli import build_parser
+    from paxserve.server.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--attention-backend", "reference"])
     assert args.attention_backend == "reference"

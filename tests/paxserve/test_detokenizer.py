@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.bundled import default_model_path
-from models.gguf_io import GGUFCheckpoint
-from models.tokenizer import tokenizer_from_gguf
-from paxserve.detokenizer import IncrementalDetokenizer
+from paxserve.engine.detokenizer import IncrementalDetokenizer
+from paxserve.models.bundled import default_model_path
+from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.models.tokenizer import tokenizer_from_gguf
 from paxserve.sampling_params import SamplingParams
 
 TEXTS = [

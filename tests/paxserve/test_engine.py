@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from models.bundled import default_model_path
-from models.gguf_io import GGUFCheckpoint
-from models.tokenizer import tokenizer_from_gguf
 from paxserve import AsyncEngine, Engine, SamplingParams
+from paxserve.models.bundled import default_model_path
+from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.models.tokenizer import tokenizer_from_gguf
 from paxserve.sampling_params import RequestOutputKind
 from tests.helpers import make_tiny_llama
 

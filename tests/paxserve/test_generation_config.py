@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from paxserve.config import EngineConfig
-from paxserve.generation_config import (default_sampling_params, generation_config_file, read_generation_config,
+from paxserve.engine.generation_config import (default_sampling_params, generation_config_file, read_generation_config,
                                         resolve_sampling_defaults, sampling_defaults)
-from paxserve.input_processor import InputProcessor
+from paxserve.engine.input_processor import InputProcessor
 from paxserve.sampling_params import SamplingParams
 from tests.paxserve.tiny_checkpoints import make_model, save_byte_tokenizer, write_json
 
@@ -103,7 +103,7 @@ def test_engine_config_fields_are_validated() -> None:
 
 
 def test_cli_flags_parse_and_revisions_are_refused_before_loading(capsys: pytest.CaptureFixture) -> None:
-    from paxserve.cli import build_parser, main
+    from paxserve.server.cli import build_parser, main
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--tokenizer", "/tok", "--generation-config",
                                       "vllm", "--trust-remote-code"])

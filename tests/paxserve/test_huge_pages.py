@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from paxserve.huge_pages import huge_pages_env, thp_mode
+from paxserve.server.huge_pages import huge_pages_env, thp_mode
 
 GLIBC = ("glibc", "2.36")
 
@@ -38,7 +38,7 @@ def test_reads_the_kernel_mode(tmp_path: Path, text: str, mode: str | None) -> N
 
 
 def test_a_restart_that_cannot_happen_leaves_the_command_running(monkeypatch: pytest.MonkeyPatch) -> None:
-    import paxserve.huge_pages as huge_pages
+    import paxserve.server.huge_pages as huge_pages
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""`paxserve.input_batch`: the persistent batch's rows, kept from the scheduler's plain-data output,
+"""`paxserve.worker.input_batch`: the persistent batch's rows, kept from the scheduler's plain-data output,
 and the scheduler's report of requests that left the running set (which is what gives rows back).
 The randomised check that it always equals a from-scratch build is in test_scheduler.py."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paxserve.input_batch import InputBatch
-from paxserve.kv_cache_manager import KVCacheManager
-from paxserve.request import Request
+from paxserve.core.kv_cache_manager import KVCacheManager
+from paxserve.core.request import Request
+from paxserve.core.scheduler import NewRequestData, ScheduledRequest, Scheduler, SchedulerConfig
 from paxserve.sampling_params import SamplingParams
-from paxserve.scheduler import NewRequestData, ScheduledRequest, Scheduler, SchedulerConfig
+from paxserve.worker.input_batch import InputBatch
 
 V = 64
 

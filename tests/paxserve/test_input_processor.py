@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from paxserve.chat_template import RenderLimits
-from paxserve.input_processor import InputProcessor, RequestError, max_token_chars
+from paxserve.engine.chat_template.template import RenderLimits
+from paxserve.engine.input_processor import InputProcessor, RequestError, max_token_chars
 from paxserve.sampling_params import SamplingParams
 
 VOCAB = 49152

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paxserve.kv_cache_manager import KVCacheManager, cdiv
-from paxserve.request import Request, RequestStatus
+from paxserve.core.kv_cache_manager import KVCacheManager, cdiv
+from paxserve.core.request import Request, RequestStatus
 from paxserve.sampling_params import SamplingParams
 
 BS = 4
@@ -233,7 +233,7 @@ def test_hit_on_shared_in_use_block_costs_no_free_block():
 
 
 def test_prefix_stats_in_tokens_once_per_admitted_request():
-    from paxserve.scheduler import Scheduler, SchedulerConfig
+    from paxserve.core.scheduler import Scheduler, SchedulerConfig
 
     kv = KVCacheManager(num_blocks=7, block_size=BS, enable_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
@@ -405,7 +405,7 @@ def test_output_tokens_are_cached_too():
 
 
 def test_rollback_forgets_only_the_registrations_of_the_failed_step():
-    from paxserve.request import Request
+    from paxserve.core.request import Request
     from paxserve.sampling_params import SamplingParams
 
     kv = KVCacheManager(16, 4, enable_caching=True)

@@ -25,13 +25,13 @@ import pytest
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir, passmanager
 
-from models.loader import _model_spec
-from models.sharding import param_bytes
 from paxserve.config import EngineConfig
-from paxserve.memory import plan_kv_cache
-from paxserve.sampler import SamplerState
-from paxserve.step_functions import StepShapes, jitted_logits, sample_step
-from pallas_kernels import AttentionBackend
+from paxserve.kernels import AttentionBackend
+from paxserve.models.loader import _model_spec
+from paxserve.models.sharding import param_bytes
+from paxserve.worker.memory_plan import plan_kv_cache
+from paxserve.worker.sampling.sampler import SamplerState
+from paxserve.worker.step_functions import StepShapes, jitted_logits, sample_step
 from tests.helpers import load_benchmark, lower_jitted_for_cuda
 
 # Meta-Llama-3-8B's config.json (the fields the model reads): the one gpu_check's end-to-end part runs.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import ModelConfig
 from paxserve.config import EngineConfig
-from paxserve.memory import kv_bytes_per_block, plan_kv_cache
-from paxserve.sampler import SamplerState
+from paxserve.models.config import ModelConfig
+from paxserve.worker.memory_plan import kv_bytes_per_block, plan_kv_cache
+from paxserve.worker.sampling.sampler import SamplerState
 
 # A Llama-3-8B-shaped config: 32 layers x 8 KV heads x 128 dims -> 128 KiB per token in bf16.
 LLAMA8B = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32,
@@ -92,8 +92,8 @@ def test_invalid_engine_config_names_the_field_and_the_allowed_values(kwargs: di
 def test_activation_peak_is_measured_from_shapes_alone() -> None:
     import numpy as np
 
-    from models.registry import get_architecture
-    from paxserve.step_functions import StepShapes, measure_activation_bytes
+    from paxserve.models.registry import get_architecture
+    from paxserve.worker.step_functions import StepShapes, measure_activation_bytes
 
     tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256)
@@ -108,8 +108,8 @@ def test_activation_peak_counts_prompt_logprobs_when_they_are_the_heavier_step()
     vocabulary that, not the plain step's [sequences, vocab], sets the peak."""
     import numpy as np
 
-    from models.registry import get_architecture
-    from paxserve.step_functions import StepShapes, measure_activation_bytes
+    from paxserve.models.registry import get_architecture
+    from paxserve.worker.step_functions import StepShapes, measure_activation_bytes
 
     big_vocab = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32768, hidden_size=64, num_layers=1,
                             num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
@@ -120,7 +120,7 @@ def test_activation_peak_counts_prompt_logprobs_when_they_are_the_heavier_step()
 
 
 def test_allocator_is_sized_from_the_flag_before_the_backend_starts() -> None:
-    from paxserve.gpu_memory import MEM_FRACTION, configure_allocator
+    from paxserve.worker.memory_plan import MEM_FRACTION, configure_allocator
 
     env: dict[str, str] = {}
     said = configure_allocator(0.85, backend_started=False, environ=env)
@@ -135,7 +135,7 @@ def test_allocator_is_sized_from_the_flag_before_the_backend_starts() -> None:
 def test_plan_uses_the_devices_total_and_is_capped_by_a_smaller_pool(caplog) -> None:  # noqa: ANN001
     """An H200 (141 GB) whose pool JAX made with the flag's fraction: the plan's budget is 0.9 x the
     total, not 0.9 x the pool; a user's smaller pool caps it (with a warning)."""
-    from paxserve.gpu_memory import MEM_FRACTION, device_memory
+    from paxserve.worker.memory_plan import MEM_FRACTION, device_memory
 
     total = 150_754_820_096
     memory = device_memory({"bytes_limit": int(0.9 * total)}, environ={MEM_FRACTION: "0.9000"})

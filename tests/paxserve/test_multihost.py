@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from paxserve import Engine
-from paxserve.cluster import Cluster, ClusterConfig
+from paxserve.config import ClusterConfig
 from paxserve.config import EngineConfig
-from paxserve.rendezvous import Rendezvous, RendezvousError, settings_digest
+from paxserve.distributed.cluster import Cluster
+from paxserve.distributed.rendezvous import Rendezvous, RendezvousError, settings_digest
 from tests.helpers import make_tiny_llama
 from tests.models.family_checkpoints import make_family_checkpoint
 from tests.paxserve.multihost_args import (

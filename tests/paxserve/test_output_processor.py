@@ -14,8 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from paxserve.engine_io import EngineCoreRequest, RequestOutputKind, SampledLogprobs, SampleOutput
-from paxserve.output_processor import OutputProcessor
+from paxserve.core.interface import EngineCoreRequest, RequestOutputKind, SampledLogprobs, SampleOutput
+from paxserve.engine.output_processor import OutputProcessor
 from paxserve.outputs import RequestOutput
 from paxserve.sampling_params import SamplingParams
 

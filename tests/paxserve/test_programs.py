@@ -1,4 +1,4 @@
-"""`paxserve.programs`: compiled step programs stored and loaded without tracing (and only when first
+"""`paxserve.worker.programs`: compiled step programs stored and loaded without tracing (and only when first
 needed), damaged entries compiled again, a step's own program built ahead of the background queue,
 steps served by a covering bucket while their own compiles in the background, and a steady state that
 compiles nothing."""
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from paxserve import Engine, SamplingParams
-from paxserve import model_runner
-from paxserve import programs as programs_module
-from paxserve.programs import Key, Programs
+from paxserve.distributed.worker_loop import model_runner
+from paxserve.distributed.worker_loop import programs as programs_module
+from paxserve.worker.programs import Key, Programs
 from tests.paxserve import test_engine
 from tests.paxserve.test_engine import PROMPTS, TEST_ENGINE_ARGS
 

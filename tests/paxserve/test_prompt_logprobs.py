@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from paxserve import Engine, SamplingParams
+from paxserve.core.prompt_logprobs import PromptLogprobsBuffer, build_prompt_logprobs_inputs
 from paxserve.outputs import Logprob, RequestOutput
-from paxserve.prompt_logprobs import PromptLogprobsBuffer, build_prompt_logprobs_inputs
 from paxserve.sampling_params import RequestOutputKind
 from tests.paxserve import test_engine
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, VOCAB

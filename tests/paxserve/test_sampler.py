@@ -1,4 +1,4 @@
-"""`paxserve.sampler` + `paxserve.sampling_metadata`: the on-device sampler against numpy, its
+"""`paxserve.worker.sampling.sampler` + `paxserve.worker.sampling.host_inputs`: the on-device sampler against numpy, its
 batch independence, its persistent per-request state, and the host-side builder of its inputs."""
 
 from __future__ import annotations
@@ -11,16 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paxserve.sampler import (
-    SamplerState,
-    SamplingMetadata,
-    apply_penalties_and_bias,
-    apply_top_k_top_p_min_p,
-    sample,
-    state_writes_args,
-    write_state_rows,
-)
-from paxserve.sampling_metadata import (
+from paxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from paxserve.worker.sampling.host_inputs import (
     PACKED_WIDTH,
     SampledTokens,
     SamplingRow,
@@ -29,7 +21,15 @@ from paxserve.sampling_metadata import (
     needs_state,
     unpack,
 )
-from paxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from paxserve.worker.sampling.sampler import (
+    SamplerState,
+    SamplingMetadata,
+    apply_penalties_and_bias,
+    apply_top_k_top_p_min_p,
+    sample,
+    state_writes_args,
+    write_state_rows,
+)
 
 V = 64
 EOS = 7

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paxserve.input_batch import InputBatch
-from paxserve.kv_cache_manager import KVCacheManager, cdiv
-from paxserve.request import Request, RequestStatus
+from paxserve.core.kv_cache_manager import KVCacheManager, cdiv
+from paxserve.core.request import Request, RequestStatus
+from paxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paxserve.sampling_params import SamplingParams
-from paxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from paxserve.worker.input_batch import InputBatch
 
 BS = 4
 

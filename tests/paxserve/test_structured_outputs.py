@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from paxserve import Engine, SamplingParams
-from paxserve.grammar import GrammarCompiler, GrammarError
-from paxserve.input_processor import RequestError
-from paxserve.sampler import apply_token_bitmask
-from paxserve.sampling_metadata import SamplingRow, bitmask_width, build_sampling_inputs
+from paxserve.engine.grammar import GrammarCompiler, GrammarError
+from paxserve.engine.input_processor import RequestError
 from paxserve.structured_outputs import StructuredOutputsParams as SO
+from paxserve.worker.sampling.host_inputs import SamplingRow, bitmask_width, build_sampling_inputs
+from paxserve.worker.sampling.sampler import apply_token_bitmask
 from tests.paxserve.test_async_engine import ARGS
 from tests.paxserve.test_engine import VOCAB, assert_no_blocks_held, tiny_dir  # noqa: F401 - module fixture
 

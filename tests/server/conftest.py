@@ -51,7 +51,7 @@ def paxserve_command() -> list[str]:
     if exe.exists():
         return [str(exe)]
     found = shutil.which("paxserve")
-    return [found] if found else [sys.executable, "-m", "paxserve.cli"]
+    return [found] if found else [sys.executable, "-m", "paxserve.server.cli"]
 
 
 class ServerProcess:

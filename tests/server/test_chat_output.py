@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paxserve.chat_template import render_chat_template
-from server.errors import ProtocolError
-from server.protocol import parse_chat_request
-from server.reasoning import get_reasoning_parser
-from server.settings import ServerSettings
-from server.tool_parsers import get_tool_parser
-from server.tools import ChatOutputParsers
+from paxserve.engine.chat_template.template import render_chat_template
+from paxserve.server.errors import ProtocolError
+from paxserve.server.protocol import parse_chat_request
+from paxserve.server.reasoning import get_reasoning_parser
+from paxserve.server.settings import ServerSettings
+from paxserve.server.tool_parsers import get_tool_parser
+from paxserve.server.tools import ChatOutputParsers
 
 TEXT = ('<think>The user wants weather.\nCall the tool.</think>\n\nLet me check.<tool_call>\n'
         '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>')

@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from paxserve import AsyncEngine, Engine
-from server.app import create_app
-from server.settings import ServerSettings
-from server.transport import TransportLimits, make_runner
+from paxserve.server.app import create_app
+from paxserve.server.settings import ServerSettings
+from paxserve.server.transport import TransportLimits, make_runner
 from tests.helpers import app_in_thread
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, tiny_dir  # noqa: F401
 

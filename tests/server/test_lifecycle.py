@@ -53,7 +53,7 @@ def test_listening_line_is_logged_on_stderr(server) -> None:
 def test_server_restarts_itself_once_with_huge_pages_for_its_kv_cache(server) -> None:
     """Where the kernel gives huge pages only to memory that asks (madvise), `paxserve serve` restarts
     itself (same PID) with glibc's tunable so its KV cache faults in 2 MiB pages, and says so."""
-    from paxserve.huge_pages import thp_mode
+    from paxserve.server.huge_pages import thp_mode
 
     environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
     tunables = [e.decode() for e in environ if e.startswith(b"GLIBC_TUNABLES=")]

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
-from paxserve.cli import build_parser, main
 from paxserve.config import EngineConfig
-from server.protocol import parse_chat_request, parse_completion_request
-from server.serve import engine_kwargs
-from server.settings import ServerSettings
+from paxserve.server.cli import build_parser, main
+from paxserve.server.protocol import parse_chat_request, parse_completion_request
+from paxserve.server.serve import engine_kwargs
+from paxserve.server.settings import ServerSettings
 from tests.paxserve.tiny_checkpoints import make_model, save_byte_tokenizer
 
 # top_k=1 makes the default sampling greedy-equal whatever the seed: a visible consequence of the file.

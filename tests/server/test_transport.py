@@ -17,8 +17,8 @@ import time
 import pytest
 from aiohttp import web
 
-from server.errors import error_middleware
-from server.transport import TransportLimits, TransportStats, describe_parse_error, make_runner, read_body
+from paxserve.server.errors import error_middleware
+from paxserve.server.transport import TransportLimits, TransportStats, describe_parse_error, make_runner, read_body
 
 LIMITS = TransportLimits(header_timeout_s=0.8, keepalive_timeout_s=0.4, body_timeout_s=0.8)
 CLIENT_MAX_SIZE = 4096

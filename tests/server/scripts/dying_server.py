@@ -12,8 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from paxserve import AsyncEngine, Engine  # noqa: E402
-from server.serve import serve  # noqa: E402
-from server.settings import ServerSettings  # noqa: E402
+from paxserve.server.serve import serve  # noqa: E402
+from paxserve.server.settings import ServerSettings  # noqa: E402
 
 
 def broken_step() -> list:

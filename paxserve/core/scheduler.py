@@ -1,0 +1,265 @@
+"""Continuous-batching scheduler: one token budget per step, running requests first.
+
+There are no prefill and decode phases. Every request has `num_computed_tokens`; a step gives each
+running request the tokens it still lacks (one for a decoding request, the rest of its prompt, or
+as much as the budget allows for a long prompt: chunked prefill), then admits waiting requests
+first-come first-served while budget, sequence slots and blocks last. When a running request
+cannot get a block, the newest running request is preempted: its blocks are freed (their hashes
+kept, so the prefix cache may give them back) and it goes to the front of the waiting queue, to be
+recomputed later. Nothing ever runs out of memory.
+
+A paused request (its client reads slower than it is generated) keeps its place but is not
+scheduled, and is the first to give up its blocks to a request that can run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from paxserve.core.kv_cache_manager import KVCacheManager
+from paxserve.core.request import Request, RequestStatus
+from paxserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request that starts running this step (its first admission, or again after a preemption):
+    everything the model runner needs to give it a row of the persistent batch."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (recomputed after a preemption); a copy
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]  # its whole block table
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of the step, as plain data: which request, where it stands, what it runs."""
+
+    request_id: str
+    num_new_tokens: int  # tokens fed this step, starting at num_computed_tokens
+    num_computed_tokens: int  # tokens already in its KV cache before this step
+    new_block_ids: list[int]  # blocks it was given this step (a new request's are in its NewRequestData)
+    # The step completes the request's tokens, so the token it samples is the request's next one (a
+    # prompt chunk that leaves more to compute samples nothing that is kept).
+    samples: bool = True
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs, as plain data (no live Request): rows in order, the requests that join
+    the persistent batch, and those that left it."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    # Requests that stopped running since the previous schedule (finished, aborted or preempted,
+    # this step's preemptions included): whatever they held per running request can be let go.
+    left_running_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._left_running: list[str] = []  # reported by the next schedule()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        bs = self.kv.block_size
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"request needs {total} tokens (prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) "
+                f"but max_model_len is {self.config.max_model_len}"
+            )
+        if -(-total // bs) > self.kv.pool.num_blocks - 1:
+            raise ValueError(
+                f"request needs {-(-total // bs)} KV blocks but the whole cache has {self.kv.pool.num_blocks - 1}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self._left_running.append(request.request_id)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _newest_paused(self) -> Request | None:
+        return next((r for r in reversed(self.running) if r.paused), None)
+
+    def preempt_all(self) -> list[Request]:
+        """Send every running request back to the front of the waiting queue, in order, to be
+        recomputed (the KV cache was lost)."""
+        victims = list(self.running)
+        self.running.clear()
+        for request in reversed(victims):
+            self._preempt(request)
+        return victims
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if request.paused or num_new <= 0 or (
+                    request.num_output_placeholders and
+                    request.num_output_tokens + request.num_output_placeholders >= request.max_tokens):
+                # Paused, or waiting for the results of its steps in flight (the last it may have).
+                i += 1
+                continue
+            num_blocks_before = self.kv.num_blocks(request.request_id)
+            while not self.kv.allocate_slots(request, num_new):
+                # A paused request makes no progress, so it gives up its blocks first; otherwise
+                # the newest running one does.
+                victim = self._newest_paused() or self.running[-1]
+                index = self.running.index(victim)
+                del self.running[index]
+                if index < i:
+                    i -= 1
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new,
+                                                     self.kv.block_ids(request.request_id, num_blocks_before)))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it is running any more
+
+        # Admitting new work in a step that had to preempt would only thrash.
+        thrashing = bool(out.preempted_ids)
+        while not thrashing and budget > 0:
+            # A preempted request whose last step is still in flight waits for its token first.
+            index = next((j for j, r in enumerate(self.waiting) if not r.paused and not r.num_output_placeholders),
+                         None)
+            if index is None:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                # Paused requests must not hold every batch slot: the newest gives its slot up.
+                victim = self._newest_paused()
+                if victim is None:
+                    break
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                continue
+            request = self.waiting[index]
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                victim = self._newest_paused()
+                if victim is None:
+                    break
+                self.running.remove(victim)  # its blocks are worth more to a request that can run
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                continue
+            del self.waiting[index]
+            if request.status == RequestStatus.WAITING:  # first admission, not a resume
+                request.num_cached_tokens = num_hit
+                if self.kv.enable_caching:
+                    self.kv.prefix_stats.record(request.num_tokens, num_hit)
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.new_requests.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, request.seed, request.eos_token_ids, self.kv.block_ids(request.request_id)))
+            out.scheduled.append(self._scheduled(request, num_new, []))
+            budget -= num_new
+        out.left_running_ids, self._left_running = self._left_running, []
+        return out
+
+    def _scheduled(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+        """The row of a request scheduled for `num_new` tokens. Its computed count moves on now (the
+        next schedule may follow this step before its results are back), and a step that completes
+        its tokens holds a placeholder for the token it will sample."""
+        samples = request.num_computed_tokens + num_new == request.num_tokens_with_placeholders
+        row = ScheduledRequest(request.request_id, num_new, request.num_computed_tokens, new_block_ids, samples)
+        request.num_computed_tokens += num_new
+        request.num_output_placeholders += samples
+        return row
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int],
+                           scheduled_for: list[Request | None] | None = None) -> list[Request]:
+        """Turn each sampling row's placeholder into its token (partial prompt chunks keep nothing).
+        A request that finished or was aborted while the step ran drops its token, even if a new
+        request took its id meanwhile (`scheduled_for`: each row's request if it is still unfinished,
+        else None, when the step ran behind later schedules). Returns the requests finished by
+        length or stop tokens."""
+        finished = []
+        if scheduled_for is None:
+            scheduled_for = [self.requests.get(s.request_id) for s in out.scheduled]
+        for s, token, request in zip(out.scheduled, sampled, scheduled_for, strict=True):
+            if not s.samples or request is None:
+                continue
+            request.num_output_placeholders -= 1
+            status = request.append_output(token)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (length, stop, abort): its blocks go back to the pool at once."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._left_running.append(request.request_id)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.kv.forget(request)
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request

@@ -1,0 +1,1 @@
+"""Several hosts: the cluster, its rendezvous, and a worker rank's loop."""

@@ -1,0 +1,1 @@
+"""Chat templates rendered in a sandbox with limits."""

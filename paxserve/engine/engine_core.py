@@ -1,0 +1,324 @@
+"""The engine core: scheduler + KV cache manager + model runner, one `step()` at a time.
+
+It takes requests that are already tokenized and validated (`EngineCoreRequest`) and gives back
+plain per-sample outputs (`SampleOutput`): new token ids, logprob rows, and the finish reasons the
+core itself decides (length, EOS, stop token ids, error). Text, stop strings and the user-facing
+`RequestOutput` belong to the output processor, so nothing request-specific but scheduling and the
+model step runs here; that keeps the step loop's thread free for the device.
+
+A step that raises fails only the requests it carried (finish reason "error"): the prefix-cache
+registrations it made are rolled back, and if the KV cache it was given (donated) is gone, a fresh
+one is made and every other running request is recomputed from its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from paxserve.core.interface import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
+from paxserve.core.kv_cache_manager import KVCacheManager
+from paxserve.core.prompt_logprobs import (
+    PromptLogprobsBuffer,
+    PromptLogprobsInputs,
+    build_prompt_logprobs_inputs,
+    fill_prompt_logprobs,
+)
+from paxserve.core.request import Request, RequestStatus
+from paxserve.core.scheduler import Scheduler, SchedulerOutput
+from paxserve.engine.stats import StatsLogger
+from paxserve.worker.model_runner import ModelRunner, ModelStep
+from paxserve.worker.sampling.host_inputs import SampledTokens, constrained_rows
+
+logger = logging.getLogger(__name__)
+
+@dataclass(slots=True)
+class _Flight:
+    """A step dispatched to the device whose results have not been taken in yet."""
+
+    out: SchedulerOutput
+    requests: list[Request | None]  # each row's request when it was scheduled (its id may be reused later)
+    step: ModelStep
+    registered: list  # the prefix-cache blocks its schedule registered
+    buffers: list[PromptLogprobsBuffer | None]
+    prompt: PromptLogprobsInputs | None
+    num_prompt_tokens: int
+    num_preempted: int = 0
+    abandoned: bool = False  # undone because the step before it failed
+
+
+STEP_FAILED_MESSAGE = ("The engine step that was serving this request failed; the server is still running and "
+                       "the request can be retried.")
+
+
+class EngineCore:
+    """Not thread-safe: one thread (the step loop, or the offline `Engine`) calls everything."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, vocab_size: int,
+                 stats: StatsLogger, async_scheduling: bool = False, isolate_failed_steps: bool = True) -> None:
+        """`isolate_failed_steps=False` (a multi-host engine): a failed step raises instead of failing
+        only its requests, since the other ranks' caches and programs can no longer be kept in step."""
+        self.runner = runner
+        self.kv = kv
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.stats = stats
+        if runner.input_batch.num_rows != scheduler.config.max_num_seqs + 1:
+            raise ValueError(f"the model runner has rows for {runner.input_batch.num_rows - 1} sequences, the "
+                             f"scheduler runs {scheduler.config.max_num_seqs}: build both from the same max_num_seqs")
+        self._samples: dict[str, list[str]] = {}  # user request id -> ids of its unfinished samples
+        self.num_failed_steps = 0
+        self.num_kv_cache_resets = 0
+        self.last_num_scheduled = 0  # sequences the last step ran (0: nothing could run)
+        self.async_scheduling = async_scheduling
+        self.isolate_failed_steps = isolate_failed_steps
+        self._in_flight: _Flight | None = None
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue all n samples of a request, or none of them (ValueError)."""
+        if request.request_id in self._samples:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        prompt_k = request.sampling_params.prompt_logprobs
+        samples = [
+            Request(request_id=request.sample_id(i), prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params, max_tokens=request.max_tokens,
+                    eos_token_ids=request.eos_token_ids, seed=request.seeds[i], arrival_time=request.arrival_time,
+                    parent_id=request.request_id, sample_index=i, cache_salt=request.cache_salt,
+                    matcher=None if request.grammar is None else request.grammar.new_matcher(),
+                    # One sample scores the prompt for all n; the others may use the prefix cache.
+                    prompt_logprobs=PromptLogprobsBuffer.empty(len(request.prompt_token_ids), prompt_k)
+                    if i == 0 and prompt_k is not None else None)
+            for i in range(request.sampling_params.n)
+        ]
+        added: list[Request] = []
+        try:
+            for sample in samples:
+                self.scheduler.add_request(sample)
+                added.append(sample)
+        except ValueError:
+            for sample in added:
+                self.scheduler.abort(sample.request_id)
+            raise
+        self._samples[request.request_id] = [s.request_id for s in samples]
+
+    def abort_request(self, request_id: str) -> None:
+        """End every sample of the request now and free its blocks. Unknown ids are ignored."""
+        for sample_id in self._samples.pop(request_id, []):
+            self.scheduler.abort(sample_id)
+
+    def finish_samples(self, sample_ids: list[str]) -> None:
+        """Samples the output processor ended (a stop string): free their blocks now."""
+        for sample_id in sample_ids:
+            request = self.scheduler.requests.get(sample_id)
+            if request is not None:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                self._forget(request)
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Hold a request out of the batch while its reader catches up (or let it run again)."""
+        for sample_id in self._samples.get(request_id, []):
+            request = self.scheduler.requests.get(sample_id)
+            if request is not None:
+                request.paused = paused
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests not finished yet. (A step in flight whose requests all ended meanwhile counts for
+        nothing: its results would be dropped, and the next step takes it in.)"""
+        return bool(self._samples)
+
+    def _forget(self, request: Request) -> None:
+        siblings = self._samples.get(request.parent_id or request.request_id)
+        if siblings is None:
+            return
+        if request.request_id in siblings:
+            siblings.remove(request.request_id)
+        if not siblings:
+            del self._samples[request.parent_id or request.request_id]
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def step(self) -> list[SampleOutput]:
+        """Schedule, run the model once, and report each sample that got a token or finished.
+
+        With async scheduling the step is dispatched to the device and the previous one's results
+        are taken in while it runs, so the host's scheduling and bookkeeping hide under device work;
+        the outputs returned are then the previous step's. A row whose request finished (or was
+        aborted) meanwhile drops its token, so nothing is ever emitted past a stop."""
+        out = self.scheduler.schedule()
+        self.last_num_scheduled = len(out.scheduled)
+        outputs: list[SampleOutput] = []
+        flight = None
+        try:
+            self.runner.update_rows(out)
+            if out.scheduled and self._in_flight is not None and self._needs_previous_results(out):
+                outputs += self._complete(self._take_in_flight())
+            if out.scheduled:
+                flight = self._dispatch(out)
+        except Exception as e:  # noqa: BLE001 - isolated: only this step's requests fail
+            outputs += self._fail_step(out, self.kv.take_registered(), e)
+        if flight is not None:
+            flight.num_preempted = len(out.preempted_ids)
+        elif not out.scheduled:
+            self.stats.on_step(0, 0, len(out.preempted_ids))
+        if not self.async_scheduling:
+            return outputs + (self._complete(flight) if flight is not None else [])
+        if self._in_flight is not None:
+            outputs += self._complete(self._take_in_flight(), successor=flight)
+        self._in_flight = None if flight is None or flight.abandoned else flight
+        return outputs
+
+    def _take_in_flight(self) -> _Flight:
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None
+        return flight
+
+    def _needs_previous_results(self, out: SchedulerOutput) -> bool:
+        """A structured-output row's bitmask needs its matcher to have seen the token in flight."""
+        for s in out.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if request is not None and request.matcher is not None and request.num_output_placeholders > s.samples:
+                return True
+        return False
+
+    def _dispatch(self, out: SchedulerOutput) -> _Flight:
+        requests = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
+        # A matcher constrains its row only where the step samples a token that is kept.
+        constrained = constrained_rows([(i, r.matcher) for i, (s, r) in enumerate(zip(out.scheduled, requests))
+                                        if s.samples and r is not None and r.matcher is not None
+                                        and not r.matcher.is_stopped()], self.vocab_size)
+        buffers = [None if r is None else r.prompt_logprobs for r in requests]
+        prompt = None
+        if any(b is not None for b in buffers):
+            prompt = build_prompt_logprobs_inputs(
+                [(b, r.prompt_token_ids, s.num_computed_tokens, s.num_new_tokens) if r is not None else (None, [], 0,
+                                                                                                          s.num_new_tokens)
+                 for b, r, s in zip(buffers, requests, out.scheduled)], out.num_scheduled_tokens)
+        num_prompt_tokens = sum(s.num_new_tokens for s, r in zip(out.scheduled, requests)
+                                if s.num_new_tokens > 1 or (r is not None and r.num_output_tokens == 0))
+        step = self.runner.dispatch_model(out, constrained, prompt)  # nobody scores prompts: the plain program
+        return _Flight(out, requests, step, self.kv.take_registered(), buffers, prompt, num_prompt_tokens)
+
+    def _complete(self, flight: _Flight, successor: _Flight | None = None) -> list[SampleOutput]:
+        """Take in a dispatched step's results. If they cannot be had, its requests fail, and a
+        successor already dispatched on top of it is abandoned (rolled back, to be scheduled again)."""
+        out = flight.out
+        try:
+            sampled, prompt_rows = self.runner.complete_model(flight.step)
+        except Exception as e:  # noqa: BLE001 - isolated: only this step's requests fail
+            if successor is not None:
+                self._abandon(successor)
+            return self._fail_step(out, flight.registered, e, self._live(flight))
+        if flight.prompt is not None and prompt_rows is not None:
+            fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
+        requests = self._live(flight)
+        finished_now = {r.request_id for r in self.scheduler.update_from_output(out, sampled.token_ids, requests)}
+        outputs = []
+        for row, (s, request) in enumerate(zip(out.scheduled, requests)):
+            if s.samples and request is not None:
+                outputs.append(self._sample_output(request, row, sampled, request.request_id in finished_now))
+        self.stats.on_step(flight.num_prompt_tokens, len(outputs), flight.num_preempted)
+        self.stats.maybe_log(self)
+        return outputs
+
+    def _abandon(self, flight: _Flight) -> None:
+        """Undo a dispatched step whose inputs can no longer be trusted: wait for it, drop its
+        results, give its requests back the computed counts and placeholders it took, forget its
+        prefix-cache registrations and its placeholders in the persistent batch."""
+        flight.abandoned = True
+        try:
+            self.runner.collect(flight.step.device)
+        except Exception:  # noqa: BLE001 - its results are dropped either way
+            pass
+        self.runner.input_batch.unrecord(flight.step.prepared)
+        self.kv.rollback(flight.registered)
+        for s, request in zip(flight.out.scheduled, self._live(flight)):
+            if request is None:
+                continue
+            request.num_output_placeholders -= s.samples
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens = s.num_computed_tokens
+
+    def _live(self, flight: _Flight) -> list[Request | None]:
+        """The step's requests that are still unfinished (None where one ended, even if a new
+        request has taken its id since)."""
+        return [r if r is not None and self.scheduler.requests.get(r.request_id) is r else None
+                for r in flight.requests]
+
+    def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool) -> SampleOutput:
+        logprobs = None
+        if request.sampling_params.logprobs is not None and sampled.sampled_logprobs is not None:
+            logprobs = SampledLogprobs(float(sampled.sampled_logprobs[row]), sampled.top_token_ids[row],
+                                       sampled.top_logprobs[row])
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None and prompt_logprobs.complete and not prompt_logprobs.sent:
+            prompt_logprobs.sent = True
+        else:
+            prompt_logprobs = None
+        if finished:
+            self._forget(request)
+        return SampleOutput(
+            request.parent_id or request.request_id, request.sample_index, [request.output_token_ids[-1]], logprobs,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens,
+            error=request.error if finished else None, ended_by_grammar=finished and request.ended_by_grammar,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _fail_step(self, out: SchedulerOutput, registered: list, error: Exception,
+                   requests: list[Request | None] | None = None) -> list[SampleOutput]:
+        """`requests`: the step's requests still unfinished, when it ran behind later schedules."""
+        self.num_failed_steps += 1
+        if not self.isolate_failed_steps:
+            raise RuntimeError(f"a model step failed on a multi-host engine, which cannot recover from it (the ranks "
+                               f"are no longer in step): {type(error).__name__}: {error}") from error
+        if requests is None:
+            requests = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
+        failed = [r for r in requests if r is not None]
+        logger.error("a model step failed: its %d sequences end with an error, every other request goes on "
+                     "(%s: %s)", len(failed), type(error).__name__, str(error).splitlines()[0][:300] if str(error)
+                     else "", exc_info=error)
+        self.kv.rollback(registered)
+        outputs = []
+        for request in failed:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            self._forget(request)
+            outputs.append(SampleOutput(request.parent_id or request.request_id, request.sample_index, [],
+                                        finish_reason=RequestStatus.FINISHED_ERROR.value,
+                                        num_cached_tokens=request.num_cached_tokens, error=STEP_FAILED_MESSAGE))
+        num_preempted = 0
+        if not self.runner.kv_cache_intact():
+            # The step had been given the cache (donated) and took it down with it: every cached
+            # token is gone, so the survivors start over from their token ids.
+            self.runner.reset_kv_cache()
+            self.kv.reset_prefix_cache()
+            self.num_kv_cache_resets += 1
+            num_preempted = len(self.scheduler.preempt_all())
+            logger.warning("the failed step lost the KV cache: made a new one; %d running requests will be "
+                           "recomputed from their tokens", num_preempted)
+        self.stats.on_step(0, 0, len(out.preempted_ids) + num_preempted)
+        return outputs
+
+    # ---- monitoring ----------------------------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        sched = self.scheduler
+        return EngineSnapshot(
+            num_requests_running=len(sched.running),
+            num_requests_waiting=len(sched.waiting),
+            num_requests_paused=sum(r.paused for r in sched.requests.values()),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_stats.queries,
+            prefix_cache_hits=self.kv.prefix_stats.hits,
+            num_preemptions=self.stats.preemptions,
+            prompt_tokens=self.stats.prompt_tokens,
+            generation_tokens=self.stats.generation_tokens,
+            num_failed_steps=self.num_failed_steps,
+            num_kv_cache_resets=self.num_kv_cache_resets,
+        )
+

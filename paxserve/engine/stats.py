@@ -1,0 +1,43 @@
+"""Engine counters and the periodic stats log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("paxserve.engine.stats")
+
+
+@dataclass(slots=True)
+class StatsLogger:
+    """Accumulates per-step counts; every `interval` seconds logs throughput and cache state."""
+
+    interval: float
+    prompt_tokens: int = 0  # totals since start
+    generation_tokens: int = 0
+    preemptions: int = 0
+    _last_time: float = field(default_factory=time.monotonic)
+    _last_prompt: int = 0
+    _last_generation: int = 0
+
+    def on_step(self, prompt_tokens: int, generation_tokens: int, preemptions: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += generation_tokens
+        self.preemptions += preemptions
+
+    def maybe_log(self, engine: Any) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if self.interval <= 0 or elapsed < self.interval:
+            return
+        prefix = engine.kv.prefix_stats
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            (self.prompt_tokens - self._last_prompt) / elapsed, (self.generation_tokens - self._last_generation) / elapsed,
+            len(engine.scheduler.running), len(engine.scheduler.waiting), 100 * engine.kv.usage,
+            100 * prefix.hit_rate, self.preemptions,
+        )
+        self._last_time, self._last_prompt, self._last_generation = now, self.prompt_tokens, self.generation_tokens

@@ -1,0 +1,185 @@
+"""The persistent batch (vLLM v1's InputBatch): the running requests' rows in preallocated arrays,
+changed only where the scheduler's output says something changed.
+
+A request takes a row when it starts running (the scheduler's `new_requests`: its first admission,
+or again after a preemption) and gives it back when it stops (`left_running_ids`). The row holds
+its token ids, its block table (extended by each step's `new_block_ids`), its sampling parameters
+(`SamplingColumns`) and the index of its row of the device sampler state (the same number, or 0
+when it needs none). A step's batch is then numpy gathers over the scheduled rows plus the new
+tokens: host work proportional to the step, not to the total context.
+
+Pure Python + numpy (no JAX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from paxserve.core.scheduler import NewRequestData, ScheduledRequest
+from paxserve.worker.sampling.host_inputs import SamplingColumns, SamplingInputs, SamplingRow, needs_state
+from paxserve.worker.step_inputs import Batch, assemble_batch
+
+# (tokens, sequences, widest block table) -> their padded sizes: the model runner's buckets.
+Buckets = Callable[[int, int, int], tuple[int, int, int]]
+
+
+# An output token whose id a step in flight has not returned yet (its value lives on the device).
+PLACEHOLDER = -1
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step's padded inputs, and where each row's sampled token goes."""
+
+    batch: Batch
+    sampling: SamplingInputs
+    rows: list[int]  # the persistent row of each step row
+    # Each row's token list as it was: a row handed to another request since has a new list, and
+    # the step's token must not land there.
+    token_lists: list[list[int]]
+    token_index: list[int]  # where the row's sampled token goes in its token ids (-1: not kept)
+
+    @property
+    def keep(self) -> list[bool]:
+        """Which rows sample their request's next token."""
+        return [index >= 0 for index in self.token_index]
+
+
+class InputBatch:
+    """Rows 1..max_num_seqs; row 0 is never handed out (padding reads it: neutral sampling, state
+    row 0)."""
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, vocab_size: int) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"InputBatch: max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.num_rows = max_num_seqs + 1
+        self.block_size = block_size
+        self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out the lowest row first
+        self._rows: dict[str, int] = {}
+        self.block_table = np.zeros((self.num_rows, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(self.num_rows, np.int32)
+        self.token_ids: list[list[int]] = [[] for _ in range(self.num_rows)]  # prompt + output so far
+        self.num_tokens = np.zeros(self.num_rows, np.int32)
+        self.num_prompt_tokens = np.zeros(self.num_rows, np.int32)
+        self.sampling = SamplingColumns(self.num_rows, vocab_size)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._rows
+
+    def row(self, request_id: str) -> int:
+        return self._rows[request_id]
+
+    def state_row(self, request_id: str) -> int:
+        """The request's sampler-state row, or 0 when it needs none (or holds no row)."""
+        row = self._rows.get(request_id)
+        return 0 if row is None else int(self.sampling.state_row[row])
+
+    # ---- what changed ---------------------------------------------------------------------------
+
+    def add(self, new: NewRequestData) -> SamplingRow | None:
+        """Give a request that starts running its row. Returns the sampling row whose device state
+        must be written before the step (None when it needs no state)."""
+        if new.request_id in self._rows:
+            raise ValueError(f"InputBatch: request {new.request_id!r} already holds row {self._rows[new.request_id]}")
+        if not self._free:
+            raise RuntimeError(f"InputBatch: all {self.num_rows - 1} rows are taken; the scheduler runs at most "
+                               "max_num_seqs requests at once, so a row was not given back")
+        if len(new.block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"InputBatch: request {new.request_id!r} has {len(new.block_ids)} blocks, more than the "
+                             f"{self.block_table.shape[1]} a sequence may hold")
+        row = self._free.pop()
+        self._rows[new.request_id] = row
+        self.token_ids[row] = new.prompt_token_ids + new.output_token_ids
+        self.num_tokens[row] = len(self.token_ids[row])
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_blocks[row] = 0
+        self.append_blocks(new.request_id, new.block_ids)
+        state_row = row if needs_state(new.sampling_params, new.eos_token_ids) else 0
+        self.sampling.set_row(row, new.sampling_params, new.seed, state_row)
+        if not state_row:
+            return None
+        return SamplingRow(new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.seed,
+                           new.eos_token_ids, state_row=state_row)
+
+    def append_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        row = self._rows[request_id]
+        start = int(self.num_blocks[row])
+        if start + len(block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"InputBatch: request {request_id!r} would hold {start + len(block_ids)} blocks, more "
+                             f"than the {self.block_table.shape[1]} a sequence may hold")
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def remove(self, request_id: str) -> None:
+        """Give the row back (a request that holds none is ignored)."""
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self.token_ids[row] = []
+            self._free.append(row)
+
+    def clear(self) -> None:
+        for request_id in list(self._rows):
+            self.remove(request_id)
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledRequest], buckets: Buckets) -> PreparedStep:
+        """The step's padded batch and sampling inputs, gathered from the scheduled rows. A sampling
+        row gets a placeholder for the token it will sample, so the next step can be built before
+        this one's results are back: an input token still a placeholder is read on the device from
+        its row's last kept token."""
+        if not scheduled:
+            raise ValueError("InputBatch.prepare needs at least one scheduled request")
+        n = len(scheduled)
+        rows = [self._rows[s.request_id] for s in scheduled]
+        row_array = np.array(rows, np.int32)
+        num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int32, n)
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
+        token_ids = self.token_ids
+        input_ids = np.fromiter((t for s, r in zip(scheduled, rows)
+                                 for t in token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
+                                np.int32, int(num_new.sum()))
+        pending = input_ids == PLACEHOLDER
+        source = None
+        if pending.any():
+            source = np.where(pending, np.repeat(row_array, num_new), -1).astype(np.int32)
+            input_ids[pending] = 0
+        num_blocks = self.num_blocks[row_array]
+        t_pad, s_pad, b_pad = buckets(len(input_ids), n, int(num_blocks.max()))
+        batch = assemble_batch(input_ids, num_computed, num_new, self.block_table[row_array, :b_pad], num_blocks,
+                               self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad,
+                               token_source=source)
+        index = np.zeros(s_pad, np.int32)
+        index[:n] = row_array
+        keep = [s.samples for s in scheduled]
+        keep_padded = np.zeros(s_pad, bool)
+        keep_padded[:n] = keep
+        step = self.num_tokens[index] - self.num_prompt_tokens[index]
+        sampling = self.sampling.gather(index, step, keep_padded, n)
+        token_index = []
+        for row, kept in zip(rows, keep):
+            token_index.append(len(token_ids[row]) if kept else -1)
+            if kept:
+                token_ids[row].append(PLACEHOLDER)
+                self.num_tokens[row] += 1
+        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], token_index)
+
+    def record(self, step: PreparedStep, sampled_token_ids: list[int]) -> None:
+        """Put each kept row's sampled token in place of its placeholder (rows whose request has
+        left the batch meanwhile are skipped: their token is dropped)."""
+        for row, tokens, index, token in zip(step.rows, step.token_lists, step.token_index, sampled_token_ids):
+            if index >= 0 and self.token_ids[row] is tokens:
+                tokens[index] = token
+
+    def unrecord(self, step: PreparedStep) -> None:
+        """Take back the placeholders of a step whose results will never come (it was abandoned)."""
+        for row, tokens, index in zip(step.rows, step.token_lists, step.token_index):
+            if index >= 0 and self.token_ids[row] is tokens and len(tokens) == index + 1:
+                tokens.pop()
+                self.num_tokens[row] -= 1

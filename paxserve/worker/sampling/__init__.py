@@ -1,0 +1,1 @@
+"""Sampling: host-side per-row inputs and the on-device sampler."""

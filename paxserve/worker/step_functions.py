@@ -1,0 +1,226 @@
+"""The functions a model step runs on the device, jitted, and their abstract signatures.
+
+A step is two programs that hand each other the logits without leaving the device: the forward
+(compiled per (tokens, sequences, block-table width) bucket) and the sampler (per sequence bucket;
+every sampler feature is runtime data, see `sampling_metadata`). Batches that ask for prompt
+logprobs run the forward with logits at every position and a sampler that also scores those
+positions. `StepShapes` gives each program's arguments as abstract shapes (with their placements
+under tensor parallelism), which is all that compiling one ahead of time needs (`programs`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH
+from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
+from paxserve.models.sharding import TensorParallel
+from paxserve.sampling_params import MAX_LOGPROBS
+from paxserve.worker.sampling.host_inputs import PACKED_WIDTH, bitmask_width
+from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata, prompt_logprob_columns, sample, write_state_rows
+from paxserve.worker.step_inputs import Batch
+
+logger = logging.getLogger(__name__)
+
+STATIC = ("cfg", "attention_backend", "tp")
+
+
+def _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
+                 attention_backend: AttentionBackend, tp: TensorParallel | None):
+    if tp is None:
+        return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend)
+    return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend)(
+        params, kv_cache, input_ids, positions, metadata)
+
+
+@cache
+def jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The forward: logits [S, V] at each sequence's last token (float32, left on the device). One
+    jitted function per architecture, shared by all runners. Under tensor parallelism the forward
+    runs split over the mesh and the logits come back whole on every device."""
+
+    def logits(params, kv_cache, input_ids, positions, metadata, last_token, token_source, cfg,  # noqa: ANN001, ANN202
+               attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+        input_ids = _with_last_tokens(input_ids, last_token, token_source)
+        return _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp)
+
+    return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
+
+
+def _with_last_tokens(input_ids: Int[Array, " T"], last_token: Int[Array, " R"],
+                      token_source: Int[Array, " T"]) -> Int[Array, " T"]:
+    """Input tokens the host did not have yet (the previous step's samples) read from the device."""
+    return jnp.where(token_source >= 0, last_token[jnp.maximum(token_source, 0)], input_ids)
+
+
+@cache
+def jitted_all_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The forward with logits at every token position ([T, V] float32: the memory cost only
+    batches that ask for prompt logprobs pay)."""
+
+    def logits(params, kv_cache, input_ids: Int[Array, " T"], positions: Int[Array, " T"],  # noqa: ANN001, ANN202
+               metadata: AttentionMetadata, last_token: Int[Array, " R"], token_source: Int[Array, " T"],
+               cfg, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+        input_ids = _with_last_tokens(input_ids, last_token, token_source)
+        every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
+        return _run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp)
+
+    return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
+
+
+def _sample_and_score(logits: Float[Array, "T V"], logits_indices: Int[Array, " S"], sampling: SamplingMetadata,
+                      sampler_state: SamplerState, targets: Int[Array, " T"]) -> tuple[jax.Array, SamplerState]:
+    """Sample each sequence's row of the all-positions logits and give every position its
+    prompt-logprob columns (the top MAX_LOGPROBS, whatever the requests asked: the host keeps what
+    each asked for), as one flat float32 array (one host copy)."""
+    sampled, sampler_state = sample(logits[logits_indices], sampling, sampler_state)
+    prompt = prompt_logprob_columns(logits, targets, MAX_LOGPROBS)
+    return jnp.concatenate([sampled.reshape(-1), prompt.reshape(-1)]), sampler_state
+
+
+# Sampling is its own program, run on the forward's logits without leaving the device: it compiles
+# once per sequence bucket, not once per (tokens, sequences, block-table width) bucket of the model.
+sample_step = jax.jit(sample, donate_argnums=(2,))
+sample_and_score_step = jax.jit(_sample_and_score, donate_argnums=(3,))
+# Rewrites whole rows of the sampler state in place (compiled once per power of two of rows).
+write_state_rows_step = jax.jit(write_state_rows, donate_argnums=(0,))
+
+
+def attention_metadata(batch: Batch) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=jnp.asarray(batch.slot_mapping),
+        block_tables=jnp.asarray(batch.block_tables),
+        context_lens=jnp.asarray(batch.context_lens),
+        query_start_loc=jnp.asarray(batch.query_start_loc),
+        logits_indices=jnp.asarray(batch.logits_indices),
+    )
+
+
+def _shape(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """Abstract arguments of the step programs for one engine (its model, cache and batch limits)."""
+
+    cfg: Any  # the whole model's config (the forward splits it under tensor parallelism)
+    architecture: Any
+    dtype: np.dtype
+    block_size: int
+    num_blocks: int
+    num_state_rows: int
+    attention_backend: AttentionBackend = REFERENCE
+    tp: TensorParallel | None = None
+
+    @property
+    def _replicated(self) -> Any:
+        return None if self.tp is None else self.tp.replicated
+
+    def params(self) -> Any:
+        make = lambda c: self.architecture.abstract_params(c, self.dtype)  # noqa: E731
+        return make(self.cfg) if self.tp is None else self.tp.abstract_params(make)
+
+    def kv_cache(self) -> KVCache:
+        heads = self.cfg.num_kv_heads if self.tp is None else self.tp.num_kv_heads_stored
+        shape = (self.cfg.num_layers, self.num_blocks, self.block_size, heads, self.cfg.head_dim)
+        sharding = None if self.tp is None else self.tp.kv_sharding
+        return KVCache(k=_shape(shape, self.dtype, sharding), v=_shape(shape, self.dtype, sharding))
+
+    def sampler_state(self) -> SamplerState:
+        r, v, w = self.num_state_rows, self.cfg.vocab_size, bitmask_width(self.cfg.vocab_size)
+        return SamplerState(counts=_shape((r, v), jnp.int32, self._replicated),
+                            prompt_mask=_shape((r, w), jnp.int32, self._replicated),
+                            bias=_shape((r, v), jnp.float32, self._replicated),
+                            suppress_mask=_shape((r, w), jnp.int32, self._replicated),
+                            last_token=_shape((r,), jnp.int32, self._replicated))
+
+    def sampling(self, s: int) -> SamplingMetadata:
+        f32, i32 = jnp.float32, jnp.int32
+        return SamplingMetadata(
+            temperature=_shape((s,), f32), top_k=_shape((s,), i32), top_p=_shape((s,), f32),
+            min_p=_shape((s,), f32), seed=_shape((s, 2), jnp.uint32), step=_shape((s,), i32),
+            min_tokens=_shape((s,), i32), presence_penalty=_shape((s,), f32), frequency_penalty=_shape((s,), f32),
+            repetition_penalty=_shape((s,), f32), logprobs=_shape((s,), bool), state_row=_shape((s,), i32),
+            batch_row=_shape((s,), i32), keep=_shape((s,), bool),
+            allowed_token_bitmask=_shape((s, bitmask_width(self.cfg.vocab_size)), i32))
+
+    def forward_args(self, t: int, s: int, b: int) -> tuple[Any, ...]:
+        i32 = jnp.int32
+        metadata = AttentionMetadata(slot_mapping=_shape((t,), i32), block_tables=_shape((s, b), i32),
+                                     context_lens=_shape((s,), i32), query_start_loc=_shape((s + 1,), i32),
+                                     logits_indices=_shape((s,), i32))
+        return (self.params(), self.kv_cache(), _shape((t,), i32), _shape((t,), i32), metadata,
+                _shape((self.num_state_rows,), i32, self._replicated), _shape((t,), i32))
+
+    def fingerprint(self, kind: str) -> str:
+        """What shapes a program of `kind` here (besides JAX, the devices and the source): the model's
+        config, dtype and split, the number of state rows; the forward's cache shape and attention
+        backend."""
+        tp = None if self.tp is None else (self.tp.size, self.tp.expert_parallel)
+        common = f"{self.cfg!r}|{self.dtype}|{tp!r}|{kind}"
+        if kind in ("forward", "all_logits"):
+            return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
+        return f"{common}|{self.num_state_rows}"
+
+    def statics(self) -> dict[str, Any]:
+        return dict(cfg=self.cfg, attention_backend=self.attention_backend, tp=self.tp)
+
+    def spec(self, key: tuple[Any, ...]) -> tuple[Callable[[], Any], tuple[Any, ...], Any]:
+        """(lower, arguments, example output) of the program `key` names (see `programs`)."""
+        kind, *sizes = key
+        vocab = self.cfg.vocab_size
+        if kind in ("forward", "all_logits"):
+            t, s, b = sizes
+            args = self.forward_args(t, s, b)
+            fn = jitted_logits if kind == "forward" else jitted_all_logits
+            rows = s if kind == "forward" else t
+            out = (_shape((rows, vocab), jnp.float32, self._replicated), args[1])
+            return (lambda: fn(self.architecture.forward).lower(*args, **self.statics())), args, out
+        if kind == "sample":
+            (s,) = sizes
+            args = (_shape((s, vocab), jnp.float32, self._replicated), self.sampling(s), self.sampler_state())
+            out = (_shape((s, PACKED_WIDTH), jnp.float32), args[2])
+            return (lambda: sample_step.lower(*args)), args, out
+        if kind == "score":
+            t, s = sizes
+            args = (_shape((t, vocab), jnp.float32, self._replicated), _shape((s,), jnp.int32), self.sampling(s),
+                    self.sampler_state(), _shape((t,), jnp.int32))
+            out = (_shape((s * PACKED_WIDTH + t * PROMPT_PACKED_WIDTH,), jnp.float32), args[3])
+            return (lambda: sample_and_score_step.lower(*args)), args, out
+        raise ValueError(f"unknown step program {key!r}")
+
+
+def measure_activation_bytes(shapes: StepShapes, max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> int:
+    """Temporary memory XLA plans for the largest step bucket, from shapes alone (no weights are
+    needed), so memory planning can reserve it before the KV cache takes the rest (per device,
+    under tensor parallelism). Of the two step pipelines the heavier counts: a plain step (logits for
+    one row per sequence, then the sampler with every stage: penalties, filters, top logprobs) or a
+    step with prompt logprobs (logits for every token, then sampling and scoring them), whose
+    [tokens, vocab] float32 logits dominate for large vocabularies."""
+    from paxserve.worker.step_inputs import next_power_of_2
+
+    t, s = next_power_of_2(max_tokens), next_power_of_2(max_seqs)
+    vocab = shapes.cfg.vocab_size
+    peaks = {}
+    for forward_kind, sampler_key, rows in (("forward", ("sample", s), s), ("all_logits", ("score", t, s), t)):
+        forward, _, _ = shapes.spec((forward_kind, t, s, max_blocks_per_seq))
+        sampler, _, _ = shapes.spec(sampler_key)
+        # The logits are the forward's output and the sampler's input: count them once, beside both.
+        peaks[forward_kind] = sum(_temp_bytes(lower()) for lower in (forward, sampler)) + rows * vocab * 4
+    logger.info("activation peak: %.1f MiB for a plain step, %.1f MiB for one with prompt logprobs (%d tokens x %d "
+                "sequences); reserving the larger", peaks["forward"] / 2**20, peaks["all_logits"] / 2**20, t, s)
+    return max(peaks.values())
+
+
+def _temp_bytes(lowered: Any) -> int:
+    analysis = lowered.compile().memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
