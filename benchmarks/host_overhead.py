@@ -83,7 +83,7 @@ def stub_device(runner: Any) -> None:
     """Replace the device's part of a step with random tokens in the sampler's packed layout: the
     runner's `dispatch` where it has one (its `collect` then copies nothing), else its `execute`
     (before issue 15, whose `unpack` also took the logprob width)."""
-    from paxserve.distributed.worker_loop.sampling import host_inputs as sm
+    from paxserve.worker.sampling import host_inputs as sm
 
     rng = np.random.default_rng(1)
     if hasattr(runner, "dispatch"):

@@ -380,7 +380,7 @@ def test_amplifiers_are_refused_before_they_allocate(template: str) -> None:
 
 
 def test_compiled_templates_are_cached() -> None:
-    from paxserve.engine.llm_engine.chat_template import template as ct
+    from paxserve.engine.chat_template import template as ct
 
     template = "{{ messages|length }} cached"
     assert render_chat_template(template, CHAT) == "4 cached"

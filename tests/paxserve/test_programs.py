@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from paxserve import Engine, SamplingParams
-from paxserve.distributed.worker_loop import model_runner
-from paxserve.distributed.worker_loop import programs as programs_module
+from paxserve.worker import model_runner
+from paxserve.worker import programs as programs_module
 from paxserve.worker.programs import Key, Programs
 from tests.paxserve import test_engine
 from tests.paxserve.test_engine import PROMPTS, TEST_ENGINE_ARGS
