@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from paxserve.worker.programs import source_fingerprint
+
 ROOT = Path(__file__).resolve().parent.parent
 # Folder in the checkout -> its installed package.
 FOLDERS = {"paxserve": "paxserve", "models": "paxserve/models", "pallas_kernels": "paxserve/kernels",
@@ -17,7 +19,8 @@ FOLDERS = {"paxserve": "paxserve", "models": "paxserve/models", "pallas_kernels"
 IMPORTS = ("import models, server, pallas_kernels; import paxserve.models, paxserve.kernels, paxserve.server.cli; "
            "from paxserve import Engine, AsyncEngine, SamplingParams; "
            "assert (models.WHO, server.WHO, pallas_kernels.WHO) == ('user',) * 3; "
-           "print(paxserve.__file__, paxserve.models.__file__, paxserve.kernels.__file__, paxserve.server.__file__)")
+           "print(paxserve.__file__, paxserve.models.__file__, paxserve.kernels.__file__, paxserve.server.__file__); "
+           "from paxserve.worker.programs import source_fingerprint; print(source_fingerprint())")
 
 
 def _user_project(tmp_path: Path) -> Path:
@@ -60,8 +63,10 @@ def test_the_wheel_holds_every_source_file_under_paxserve_and_imports_beside_a_u
                     str(wheel)], check=True, capture_output=True, timeout=300)
     # `bin/` holds the `paxserve` command; no other top-level name.
     assert {p.name for p in site.iterdir() if not p.name.endswith(".dist-info")} - {"bin"} == {"paxserve"}
-    found = _run(IMPORTS, _user_project(tmp_path), site)
+    *found, fingerprint = _run(IMPORTS, _user_project(tmp_path), site)
     assert all(Path(path).is_relative_to(site / "paxserve") for path in found), found
+    # Stored programs are keyed by the source: installed this way it is the checkout's.
+    assert fingerprint == source_fingerprint()
 
 
 def test_a_plain_checkout_imports_under_the_installed_names_through_its_import_root(tmp_path: Path) -> None:
@@ -75,6 +80,7 @@ def test_a_plain_checkout_imports_under_the_installed_names_through_its_import_r
     done = subprocess.run([sys.executable, "-S", "-c", code], cwd=_user_project(tmp_path), env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = [Path(path).resolve() for path in done.stdout.split()]
-    assert found == [ROOT / "paxserve" / "__init__.py", ROOT / "models" / "__init__.py",
+    *found, fingerprint = done.stdout.split()
+    assert fingerprint == source_fingerprint()
+    assert [Path(path).resolve() for path in found] == [ROOT / "paxserve" / "__init__.py", ROOT / "models" / "__init__.py",
                      ROOT / "pallas_kernels" / "__init__.py", ROOT / "server" / "__init__.py"]

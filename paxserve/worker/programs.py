@@ -57,23 +57,27 @@ _KINDS = ("forward", "sample", "all_logits", "score")
 def _package_folder(name: str) -> Path:
     spec = importlib.util.find_spec(name)  # finds without running the package (it may be heavy)
     assert spec is not None and spec.submodule_search_locations, name
-    return Path(next(iter(spec.submodule_search_locations))).resolve()
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def source_fingerprint() -> str:
-    """sha256 of the Python source that traces into the programs (a code change makes new ones).
-    Installed from a wheel, `paxserve`'s folder holds the others (and the server's): each file is
-    read once, under the package it belongs to."""
-    folders = {name: _package_folder(name) for name in (*_SOURCE_PACKAGES, "paxserve.server")}
+    """sha256 of the Python source that traces into the programs (a code change makes new ones): the
+    same for a checkout, an editable install, a wheel, or a checkout's import root of links. A
+    subpackage listed on its own (or the server, whose code traces into nothing) is skipped inside
+    its parent's folder, where a wheel puts it."""
     digest = hashlib.sha256()
     for name in _SOURCE_PACKAGES:
-        for path in sorted(folders[name].rglob("*.py")):
-            owner = max((n for n, f in folders.items() if path.resolve().is_relative_to(f)),
-                        key=lambda n: len(str(folders[n])))
-            if owner != name:
-                continue
-            digest.update(f"{name}/{path.relative_to(folders[name])}".encode())
-            digest.update(path.read_bytes())
+        folder = _package_folder(name)
+        nested = {other.rpartition(".")[2] for other in (*_SOURCE_PACKAGES, "paxserve.server")
+                  if other.rpartition(".")[0] == name}
+        files = []
+        for where, dirs, names in os.walk(folder, followlinks=True):
+            relative = Path(where).relative_to(folder)
+            dirs[:] = [d for d in dirs if d != "__pycache__" and not (relative == Path(".") and d in nested)]
+            files += [relative / n for n in names if n.endswith(".py")]
+        for path in sorted(files):
+            digest.update(f"{name}/{path.as_posix()}".encode())
+            digest.update((folder / path).read_bytes())
     return digest.hexdigest()
 
 
