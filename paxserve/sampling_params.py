@@ -110,10 +110,6 @@ class SamplingParams:
             _fail("output_kind", self.output_kind, "must be a RequestOutputKind (0 cumulative, 1 delta, 2 final only)")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
 

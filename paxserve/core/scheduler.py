@@ -79,11 +79,6 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-@dataclass(slots=True)
-class SchedulerStats:
-    num_preemptions: int = 0
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
@@ -91,7 +86,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.stats = SchedulerStats()
         self._left_running: list[str] = []  # reported by the next schedule()
 
     @property
@@ -121,7 +115,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _newest_paused(self) -> Request | None:

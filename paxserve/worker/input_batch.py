@@ -123,10 +123,6 @@ class InputBatch:
             self.token_ids[row] = []
             self._free.append(row)
 
-    def clear(self) -> None:
-        for request_id in list(self._rows):
-            self.remove(request_id)
-
     # ---- one step -------------------------------------------------------------------------------
 
     def prepare(self, scheduled: list[ScheduledRequest], buckets: Buckets) -> PreparedStep:

@@ -37,7 +37,8 @@ def test_rows_are_handed_out_once_and_given_back() -> None:
     assert batch.add(new("d", [9], [6], min_tokens=2)) is not None and batch.row("d") == 2
     with pytest.raises(ValueError, match="more than the 4"):
         batch.append_blocks("d", [1, 2, 3, 4])
-    batch.clear()
+    for request_id in ("a", "c", "d"):
+        batch.remove(request_id)
     assert len(batch) == 0 and batch.state_row("a") == 0
     with pytest.raises(ValueError, match="max_num_seqs"):
         InputBatch(0, 4, 4, V)

@@ -410,7 +410,7 @@ def test_preempt_newest_and_resume(enable_caching):
     assert plan(out) == [("a", 1)]  # c is not admitted in a step that preempted
     assert b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0
-    assert b.num_preemptions == 1 and sched.stats.num_preemptions == 1
+    assert b.num_preemptions == 1
     assert b.output_token_ids == [201, 202]  # outputs kept
     assert [r.request_id for r in sched.waiting] == ["b", "c"]  # front of the queue
     assert sched.kv.block_ids("b") == []
@@ -432,7 +432,7 @@ def test_preempt_newest_and_resume(enable_caching):
     assert b.output_token_ids == [201, 202, 203]
     assert b.status == RequestStatus.FINISHED_LENGTH
     assert c.output_token_ids == [301]
-    assert sched.stats.num_preemptions == 1
+    assert b.num_preemptions == 1 and c.num_preemptions == 0
     assert sched.kv.num_free_blocks == 4
     assert all(blk.ref_cnt == 0 for blk in sched.kv.pool.blocks)
 
@@ -470,7 +470,7 @@ def test_preempt_self_when_newest():
     sched.update_from_output(out, [8])
     run_to_completion(sched)
     assert b.output_token_ids == [7, 7, 8, 7] and b.status == RequestStatus.FINISHED_LENGTH
-    assert b.num_preemptions == 1 and sched.stats.num_preemptions == 1
+    assert b.num_preemptions == 1
     assert sched.kv.num_free_blocks == 4
 
 
@@ -512,7 +512,6 @@ def test_preempted_request_recomputes_in_chunks():
     assert a.output_token_ids == list(range(10, 20))
     assert b.output_token_ids == [12, 13, 14, 15, 21, 22]
     assert b.num_preemptions == 2 and a.num_preemptions == 0
-    assert sched.stats.num_preemptions == 2
     assert sched.kv.num_free_blocks == 4
 
 
@@ -523,8 +522,7 @@ def test_preemption_is_counted_and_everyone_finishes():
         sched.add_request(r)
     n = run_to_completion(sched)
     assert n > 8
-    assert sched.stats.num_preemptions >= 1
-    assert sched.stats.num_preemptions == sum(r.num_preemptions for r in reqs)
+    assert sum(r.num_preemptions for r in reqs) >= 1
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == [7] * 8
@@ -736,7 +734,6 @@ def test_random_add_step_abort_invariants(enable_caching, ops):
     assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
     assert all(not blocks for blocks in sched.kv.req_blocks.values())
     assert sched.kv.req_hashes == {}
-    assert sched.stats.num_preemptions == sum(r.num_preemptions for r in all_reqs)
     assert sorted(sched.kv.pool.free_queue.block_ids()) == list(range(1, NUM_BLOCKS))
 
 
