@@ -283,6 +283,25 @@ def test_each_step_decodes_a_short_window(tok):
     assert counting.longest <= 12
 
 
+def test_the_bundled_tokenizer_streams_through_decode_stream_with_no_python_decode_per_token(tok):
+    class Counting:
+        """The bundled tokenizer, counting the Python-side decodes."""
+
+        backend_tokenizer = tok.backend_tokenizer
+        clean_up_tokenization_spaces = tok.clean_up_tokenization_spaces
+        calls = 0
+
+        def decode(self, token_ids, skip_special_tokens=False):
+            Counting.calls += 1
+            return tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    ids = encode(tok, " ".join(TEXTS))
+    assert len(ids) > 100
+    detok, _, _ = stream(Counting(), encode(tok, "a prompt"), [[t] for t in ids], SamplingParams())
+    assert detok.output_text == tok.decode(ids)
+    assert Counting.calls == 1  # the prompt's tail, once, to see whether it ends inside a character
+
+
 def test_update_after_finish_is_an_error(tok):
     detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="b"))
     assert detok.update(encode(tok, "a b c")) == "b"

@@ -364,6 +364,8 @@ def test_a_request_whose_processing_raises_fails_alone(tok, ids, other_ids, prom
     class CrashingDecoder:
         """The real tokenizer, except that decoding the poison token raises."""
 
+        backend_tokenizer = None  # no DecodeStream: every token is decoded here, where the poison raises
+
         def __init__(self, inner):
             self._inner = inner
 
