@@ -341,18 +341,24 @@ STORM_TIMEOUTS = [float(t) for t in np.geomspace(0.001, 0.5, 50)]
 @pytest.mark.parametrize("timeouts, storm_max_tokens", [(STORM_TIMEOUTS, 20), ([0.5] * 50, 400)],
                          ids=["1ms-500ms-short", "500ms-long"])
 def test_cancel_storm_while_streams_run(server, ref, timeouts: list[float], storm_max_tokens: int) -> None:
-    server.wait_idle()
-    aborted_before, ended_before = aborted(server), ended(server)
-    results, outcomes = asyncio.run(_storm(server, MODEL_NAME, timeouts, storm_max_tokens=storm_max_tokens))
-    _check_storm(results, outcomes, 40)
-    server.wait_idle()
-    if storm_max_tokens >= 400:  # none can finish in 0.5 s: many were queued or running when cancelled
-        assert aborted(server) - aborted_before >= 25
-    else:
+    # This server compiles a batch's program in the step that first needs it (no background
+    # compiles): a storm that meets such a compile waits seconds for it, and every client with a
+    # shorter timeout gives up first. The storm then runs once more, on the programs it compiled.
+    for attempt in (1, 2):
+        server.wait_idle()
+        aborted_before, ended_before = aborted(server), ended(server)
+        results, outcomes = asyncio.run(_storm(server, MODEL_NAME, timeouts, storm_max_tokens=storm_max_tokens))
+        _check_storm(results, outcomes, 40)
+        server.wait_idle()
+        # Long answers: none can finish in 0.5 s, so many were queued or running when cancelled.
         # Short answers may finish before their client gives up (a fast machine); either way many
         # storm requests reached the engine rather than dying while being parsed. The 8 streams
         # are one sample each.
-        assert ended(server) - ended_before - len(results) >= 5
+        reached = (aborted(server) - aborted_before if storm_max_tokens >= 400
+                   else ended(server) - ended_before - len(results))
+        if reached >= (25 if storm_max_tokens >= 400 else 5):
+            break
+    assert reached >= (25 if storm_max_tokens >= 400 else 5), f"{reached} storm requests reached the engine"
 
 
 
