@@ -117,7 +117,7 @@ def _level_of(graph: dict[str, set[str]]) -> tuple[dict[str, int], list[list[str
             cycles.append(stack[stack.index(name):] + [name])
             return 0
         stack.append(name)
-        deepest = max((visit(t, stack) for t in graph[name]), default=0)
+        deepest = max((visit(t, stack) for t in sorted(graph[name])), default=0)
         stack.pop()
         level[name] = deepest + 1
         return level[name]
