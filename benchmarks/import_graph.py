@@ -74,8 +74,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             if target and target != name:
                 targets.add(target)
     # `from x import y` also names x when y is a submodule; keep the deepest only.
-    return {t for t in targets if not any(o != t and o.startswith(t + ".") for o in targets) or t not in
-            {n.rpartition(".")[0] for n in known}}
+    return {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
 
 
 def rank(name: str) -> int | None:
@@ -139,7 +138,7 @@ def _report(found: dict[str, Path], graph: dict[str, set[str]], level: dict[str,
     deepest = max(level, key=level.get)
     chain = [deepest]
     while graph[chain[-1]] - set(chain):
-        chain.append(max(graph[chain[-1]] - set(chain), key=lambda t: level.get(t, 0)))
+        chain.append(max(sorted(graph[chain[-1]] - set(chain)), key=lambda t: level.get(t, 0)))
     print("deepest chain: " + " -> ".join(chain))
     print(f"{len(back)} back-arrows" + "".join(f"\n  {a} -> {b}" for a, b in back))
     for cycle in cycles:

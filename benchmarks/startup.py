@@ -100,7 +100,7 @@ def run_once(tree: Path, cache: Path, extra: list[str], log_path: Path | None = 
     ready_at: list[float] = []
     ready = threading.Event()
     start = time.perf_counter()
-    cli = "paxserve.server.cli" if package_dirs(tree) else "paxserve.cli"  # where the tree keeps it
+    cli = "paxserve.cli" if (tree / "paxserve" / "cli.py").exists() else "paxserve.server.cli"  # as ab_serving.sh
     proc = subprocess.Popen([sys.executable, "-m", cli, "serve", "--port", str(port), *extra],
                             cwd=import_root(tree), env=_server_env(tree, cache), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -8,7 +8,7 @@ up front), fills a token bitmask in tens of microseconds per step, and bounds it
 fuel limits, so a hostile grammar ends in an error rather than a hang.
 
 The matcher a request gets is a deep copy of the cached, never-advanced one; the step loop fills its
-row of the token bitmask each step (`sampling_metadata`) and advances it with the sampled token
+row of the token bitmask each step (`sampling.host_inputs`) and advances it with the sampled token
 (`Request.append_output`).
 """
 

@@ -4,7 +4,7 @@ persistent batch and the compiled step programs.
 Shapes are bucketed (tokens x sequences x block-table width: powers of two, on a CPU also three
 quarters of one for tokens and sequences), and those three are the only compile keys of the forward
 (the sampler's is the sequence bucket alone): every sampler feature is runtime data (see
-`sampling_metadata`). Programs are compiled ahead of time and stored
+`sampling.host_inputs`). Programs are compiled ahead of time and stored
 (`programs`); a step whose bucket is not compiled yet runs in a compiled bucket that covers it, if
 one costs at most `_COVER_COST` times as much, while its own compiles in the background; growing
 contexts and batches have the next bucket compiled before they reach it (batches only while the steps

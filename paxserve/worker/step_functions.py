@@ -2,7 +2,7 @@
 
 A step is two programs that hand each other the logits without leaving the device: the forward
 (compiled per (tokens, sequences, block-table width) bucket) and the sampler (per sequence bucket;
-every sampler feature is runtime data, see `sampling_metadata`). Batches that ask for prompt
+every sampler feature is runtime data, see `sampling.host_inputs`). Batches that ask for prompt
 logprobs run the forward with logits at every position and a sampler that also scores those
 positions. `StepShapes` gives each program's arguments as abstract shapes (with their placements
 under tensor parallelism), which is all that compiling one ahead of time needs (`programs`).

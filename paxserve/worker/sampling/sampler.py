@@ -6,7 +6,7 @@ rows divide by temperature, apply top-k, top-p and min-p, then draw with the Gum
 draw's key comes only from the row's (seed, step), so a seeded request samples the same tokens
 whatever shares its batch.
 
-Every feature is runtime data (see `sampling_metadata`): one program serves every mix of requests.
+Every feature is runtime data (see `sampling.host_inputs`): one program serves every mix of requests.
 The costly stages (the per-request state, the random draw, the vocabulary sort behind the filters,
 the top logprobs) run under `lax.cond` on whether any row of the step uses them, so a step of plain
 greedy rows pays for none of them, and a row that does not use a stage leaves it bit-for-bit
@@ -224,7 +224,7 @@ def sample(logits: Float[Array, "S V"], md: SamplingMetadata,
            state: SamplerState) -> tuple[Float[Array, "S W"], SamplerState]:
     """One packed float32 array per step, so the engine copies to the host once: column 0 the token
     id (exact below 2**24), then its logprob, MAX_LOGPROBS top ids and their logprobs (zeros when no
-    row asked; unpack with `sampling_metadata.unpack`). The state comes back with the kept tokens
+    row asked; unpack with `host_inputs.unpack`). The state comes back with the kept tokens
     counted."""
     logits = logits.astype(jnp.float32)
     processed = apply_token_bitmask(apply_penalties_and_bias(logits, md, state), logits, md.allowed_token_bitmask)
