@@ -85,15 +85,16 @@ def main() -> None:
     stops = SamplingParams(max_tokens=16, stop=["</answer>", "\n\nUser:"])
     print(f"{len(ids)} tokens of mixed text, one per step; host µs per token, median of {args.runs} runs")
     print("| decoder | no stop strings | 2 stop strings |\n|---|---|---|")
-    for name, fn in (("IncrementalDetokenizer (DecodeStream)", detokenizer), ("IncrementalDetokenizer (window decode)", window),
-                     ("bare DecodeStream (no stop strings)", decode_stream)):
+    decoders = (("IncrementalDetokenizer (DecodeStream)", detokenizer),
+                ("IncrementalDetokenizer (window decode)", window),
+                ("bare DecodeStream (no stop strings)", decode_stream))
+    for name, fn in decoders:
         cells = [f"{per_token_us(fn, tok, ids, p, args.runs):.1f}" for p in (plain, stops)]
         print(f"| {name} | {cells[0]} | {cells[1]} |")
     rng = random.Random(0)
     samples = [[rng.randrange(tok.vocab_size) for _ in range(24)] for _ in range(200)]
     full = [tok.decode(sample, skip_special_tokens=True) for sample in samples]
-    for name, fn in (("IncrementalDetokenizer (DecodeStream)", detokenizer),
-                     ("IncrementalDetokenizer (window decode)", window), ("bare DecodeStream", decode_stream)):
+    for name, fn in decoders:
         differ = sum(fn(tok, sample, plain) != text for sample, text in zip(samples, full))
         print(f"random ids: {name}'s text differs from tokenizer.decode in {differ} of 200 answers of 24 tokens")
     emoji = tok.encode("ok 👍🏽", add_special_tokens=False)

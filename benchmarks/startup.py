@@ -74,7 +74,8 @@ def _server_env(tree: Path, cache: Path | None = None) -> dict[str, str]:
 def prepare_tree(tree: Path) -> None:
     """Check that a server started on `tree` imports that tree's code, and byte-compile it."""
     models = "paxserve.models" if package_dirs(tree) else "models"
-    found = subprocess.run([sys.executable, "-c", f"import paxserve, {models} as m; print(paxserve.__file__, m.__file__)"],
+    code = f"import paxserve, {models} as m; print(paxserve.__file__, m.__file__)"
+    found = subprocess.run([sys.executable, "-c", code],
                            cwd=import_root(tree), env=_server_env(tree), capture_output=True, text=True,
                            check=True).stdout.split()
     if not all(Path(path).resolve().is_relative_to(tree.resolve()) for path in found):

@@ -82,5 +82,6 @@ def test_a_plain_checkout_imports_under_the_installed_names_through_its_import_r
     assert done.returncode == 0, done.stderr[-3000:]
     *found, fingerprint = done.stdout.split()
     assert fingerprint == source_fingerprint()
-    assert [Path(path).resolve() for path in found] == [ROOT / "paxserve" / "__init__.py", ROOT / "models" / "__init__.py",
-                     ROOT / "pallas_kernels" / "__init__.py", ROOT / "server" / "__init__.py"]
+    assert [Path(path).resolve() for path in found] == [
+        ROOT / "paxserve" / "__init__.py", ROOT / "models" / "__init__.py",
+        ROOT / "pallas_kernels" / "__init__.py", ROOT / "server" / "__init__.py"]

@@ -2,8 +2,8 @@
 
 Each generated token goes through `tokenizers.DecodeStream` (Rust), which returns the text a token
 completes and nothing while a multi-byte character is still incomplete: 3.8 µs of host time a token
-here against 12.6 µs for decoding a window twice in Python (benchmarks/detokenize.py, RESULTS.md). Stop strings and their
-hold-back sit on top. Two things a stream cannot do are done by decoding a short window of recent ids
+here against 12.6 µs for decoding a window twice in Python (benchmarks/detokenize.py, RESULTS.md).
+Stop strings and their hold-back sit on top. Two things a stream cannot do are done by decoding a short window of recent ids
 (the text rendered last, then the pending ids): the text of an answer cut inside a character
 (`finish`, as a full decode renders it), and a stop string completed before an incomplete character
 in the same token. A tokenizer without a Rust backend, or one that cleans up spaces after decoding

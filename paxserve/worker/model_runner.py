@@ -252,8 +252,9 @@ class ModelRunner:
         """Note the stored programs (a directory listing: none is loaded yet), then have the decode
         step of every batch-size bucket (block width 1) and its sampler ready: with background
         compiles the single-sequence ones now (loaded or compiled; its step at the block widths of
-        `_WARM_DECODE_WIDTHS`) and the missing rest in the background (ascending, as guesses: while the
-        steps are quiet), so the engine serves at once; else all of them now. Any other stored program is loaded by the first step that needs it.
+        `_WARM_DECODE_WIDTHS`) and the missing rest in the background (ascending, as guesses: while
+        the steps are quiet), so the engine serves at once; else all of them now. Any other stored
+        program is loaded by the first step that needs it.
         Returns (programs loaded now, programs compiled now, stored programs left for first use)."""
         self.programs.scan_store()
         loaded_before, compiled_before = self.programs.num_loaded, self.programs.num_compiled

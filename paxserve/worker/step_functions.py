@@ -25,7 +25,13 @@ from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVC
 from paxserve.models.sharding import TensorParallel
 from paxserve.sampling_params import MAX_LOGPROBS
 from paxserve.worker.sampling.host_inputs import PACKED_WIDTH, bitmask_width
-from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata, prompt_logprob_columns, sample, write_state_rows
+from paxserve.worker.sampling.sampler import (
+    SamplerState,
+    SamplingMetadata,
+    prompt_logprob_columns,
+    sample,
+    write_state_rows,
+)
 from paxserve.worker.step_inputs import Batch
 
 logger = logging.getLogger(__name__)
