@@ -20,11 +20,20 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request has finished
 
 
+class RequestError(ValueError):
+    """An invalid request: `param` names the field at fault (temperature, prompt, messages, ...), so
+    the server's 400 names it without reading the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _fail(name: str, value: object, allowed: str) -> None:
-    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
+    raise RequestError(f"SamplingParams.{name}={value!r} is invalid: {allowed}", param=name)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
 
@@ -32,6 +41,9 @@ class SamplingParams:
     reproducible and independent of whatever else is in the batch. `logprobs=k` returns the sampled
     token's log-probability and the k most likely tokens, computed from the raw model logits;
     `prompt_logprobs=k` does the same for every prompt token after the first.
+
+    Frozen: a request's settings are checked once, here, and nothing downstream can change them
+    (`dataclasses.replace` makes a checked copy).
     """
 
     n: int = 1
@@ -90,22 +102,23 @@ class SamplingParams:
             _fail("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             _fail("seed", self.seed, "must be an integer in [0, 2**63)")
+        # Token ids' range is the vocabulary's, checked by check_vocab once the model is known.
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
-                if not isinstance(token, int) or token < 0:
-                    _fail("logit_bias", self.logit_bias, "keys must be token ids >= 0")
+                if not isinstance(token, int):
+                    _fail("logit_bias", self.logit_bias, "keys must be integer token ids")
                 if not -100.0 <= float(bias) <= 100.0:
                     _fail("logit_bias", self.logit_bias, "values must be in [-100, 100]")
-        if self.stop_token_ids and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            _fail("stop_token_ids", self.stop_token_ids, "must be token ids >= 0")
+        if self.stop_token_ids and any(not isinstance(t, int) for t in self.stop_token_ids):
+            _fail("stop_token_ids", self.stop_token_ids, "must be integer token ids")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             _fail("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
-        self.stop_strings = tuple(stops)
+        object.__setattr__(self, "stop_strings", tuple(stops))
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams (or None)")
         try:
-            self.output_kind = RequestOutputKind(self.output_kind)
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         except ValueError:
             _fail("output_kind", self.output_kind, "must be a RequestOutputKind (0 cumulative, 1 delta, 2 final only)")
 
@@ -116,6 +129,6 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary (checked when the model is known)."""
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids or [])):
-            bad = [t for t in ids if t >= vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                _fail(name, bad, f"token ids must be < the vocabulary size {vocab_size}")
+                _fail(name, bad[:5], f"token ids must be in the vocabulary [0, {vocab_size})")

@@ -65,10 +65,7 @@ class Request:
     prompt_logprobs: PromptLogprobsBuffer | None = None
 
     def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        assert self.prompt_token_ids and self.max_tokens >= 1, "the input processor checked both"
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -93,19 +93,10 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add_request(self, request: Request) -> None:
-        bs = self.kv.block_size
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        total = request.num_prompt_tokens + request.max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"request needs {total} tokens (prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) "
-                f"but max_model_len is {self.config.max_model_len}"
-            )
-        if -(-total // bs) > self.kv.pool.num_blocks - 1:
-            raise ValueError(
-                f"request needs {-(-total // bs)} KV blocks but the whole cache has {self.kv.pool.num_blocks - 1}"
-            )
+        # Trusted input: the input processor made prompt + max_tokens fit max_model_len, the memory
+        # plan made max_model_len fit the cache, and the engine core keeps ids unique.
+        assert request.request_id not in self.requests, request.request_id
+        assert request.num_prompt_tokens + request.max_tokens <= self.config.max_model_len, request.request_id
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

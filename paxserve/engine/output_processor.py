@@ -77,8 +77,7 @@ class OutputProcessor:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Start tracking a request (before the core can produce anything for it)."""
-        if request.request_id in self._states:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        assert request.request_id not in self._states, request.request_id  # the engine core keeps ids unique
         params = request.sampling_params
         samples = [_Sample(i, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
                            params.logprobs is not None) for i in range(params.n)]

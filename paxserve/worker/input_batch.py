@@ -72,21 +72,12 @@ class InputBatch:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._rows
 
-    def row(self, request_id: str) -> int:
-        return self._rows[request_id]
-
-    def state_row(self, request_id: str) -> int:
-        """The request's sampler-state row, or 0 when it needs none (or holds no row)."""
-        row = self._rows.get(request_id)
-        return 0 if row is None else int(self.sampling.state_row[row])
-
     # ---- what changed ---------------------------------------------------------------------------
 
     def add(self, new: NewRequestData) -> SamplingRow | None:
         """Give a request that starts running its row. Returns the sampling row whose device state
         must be written before the step (None when it needs no state)."""
-        if new.request_id in self._rows:
-            raise ValueError(f"InputBatch: request {new.request_id!r} already holds row {self._rows[new.request_id]}")
+        assert new.request_id not in self._rows, new.request_id  # the scheduler starts a request once
         if not self._free:
             raise RuntimeError(f"InputBatch: all {self.num_rows - 1} rows are taken; the scheduler runs at most "
                                "max_num_seqs requests at once, so a row was not given back")

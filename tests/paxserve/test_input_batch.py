@@ -20,26 +20,34 @@ def new(rid: str, prompt: list[int], blocks: list[int], output: list[int] | None
     return NewRequestData(rid, prompt, output or [], SamplingParams(**params), 5, (7,), blocks)
 
 
+def row(batch: InputBatch, request_id: str) -> int:
+    return batch._rows[request_id]
+
+
+def state_row(batch: InputBatch, request_id: str) -> int:
+    """The request's sampler-state row, or 0 when it needs none (or holds no row)."""
+    r = batch._rows.get(request_id)
+    return 0 if r is None else int(batch.sampling.state_row[r])
+
+
 def test_rows_are_handed_out_once_and_given_back() -> None:
     batch = InputBatch(3, max_blocks_per_seq=4, block_size=4, vocab_size=V)
     assert batch.add(new("a", [1, 2], [3], presence_penalty=1.0)) is not None  # its state must be written
     assert batch.add(new("b", [1], [4])) is None
     assert batch.add(new("c", [1], [5], logit_bias={3: 1.0})).state_row == 3
-    assert [batch.row(r) for r in "abc"] == [1, 2, 3]
-    assert batch.state_row("a") == 1 and batch.state_row("b") == 0 and batch.state_row("zzz") == 0
-    with pytest.raises(ValueError, match="already holds row 1"):
-        batch.add(new("a", [1], [6]))
+    assert [row(batch, r) for r in "abc"] == [1, 2, 3]
+    assert state_row(batch, "a") == 1 and state_row(batch, "b") == 0 and state_row(batch, "zzz") == 0
     with pytest.raises(RuntimeError, match="all 3 rows are taken"):
         batch.add(new("d", [1], [6]))
     batch.remove("b")
     batch.remove("never-added")  # ignored
     assert "b" not in batch and len(batch) == 2
-    assert batch.add(new("d", [9], [6], min_tokens=2)) is not None and batch.row("d") == 2
+    assert batch.add(new("d", [9], [6], min_tokens=2)) is not None and row(batch, "d") == 2
     with pytest.raises(ValueError, match="more than the 4"):
         batch.append_blocks("d", [1, 2, 3, 4])
     for request_id in ("a", "c", "d"):
         batch.remove(request_id)
-    assert len(batch) == 0 and batch.state_row("a") == 0
+    assert len(batch) == 0 and state_row(batch, "a") == 0
     with pytest.raises(ValueError, match="max_num_seqs"):
         InputBatch(0, 4, 4, V)
 
@@ -62,14 +70,14 @@ def test_a_step_is_gathered_from_the_rows() -> None:
     assert sampling.temperature.tolist() == [1.0, 0.5, 0.0, 0.0]
     assert sampling.keep.tolist() == [False, True, False, False] and step.keep == [False, True]
     assert sampling.step.tolist() == [0, 1, 0, 0] and sampling.logprobs.tolist() == [False, True, False, False]
-    assert sampling.state_row.tolist() == [batch.row("pre"), 0, 0, 0]
+    assert sampling.state_row.tolist() == [row(batch, "pre"), 0, 0, 0]
     assert sampling.allowed_token_bitmask is None  # nothing constrained: nothing to send
     batch.record(step, [50, 60])
-    assert batch.token_ids[batch.row("dec")] == [11, 12, 13, 14, 15, 16, 60]
-    assert batch.token_ids[batch.row("pre")] == list(range(30, 40))
+    assert batch.token_ids[row(batch, "dec")] == [11, 12, 13, 14, 15, 16, 60]
+    assert batch.token_ids[row(batch, "pre")] == list(range(30, 40))
     batch.append_blocks("dec", [2])
-    assert batch.block_table[batch.row("dec")].tolist() == [3, 7, 2, 0]
-    np.testing.assert_array_equal(batch.num_tokens[[batch.row("dec"), batch.row("pre")]], [7, 10])
+    assert batch.block_table[row(batch, "dec")].tolist() == [3, 7, 2, 0]
+    np.testing.assert_array_equal(batch.num_tokens[[row(batch, "dec"), row(batch, "pre")]], [7, 10])
 
 
 def _request(rid: str, num_prompt: int, max_tokens: int) -> Request:
