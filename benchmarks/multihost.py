@@ -81,8 +81,8 @@ def run_rank(args: argparse.Namespace) -> None:
         engine.run_worker()
         return
     sends: list[tuple[float, int]] = []
-    if engine._channel is not None:  # time rank 0's publishing of each plan message
-        send = engine._channel.send
+    if engine.parts.channel is not None:  # time rank 0's publishing of each plan message
+        send = engine.parts.channel.send
 
         def timed_send(message: tuple) -> None:
             start = time.perf_counter()

@@ -21,10 +21,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import paxserve
+from paxserve.engine.client import EngineClient
 from paxserve.server.errors import ProtocolError, error_middleware, from_value_error
+from paxserve.server.generation_spec import check_model, check_request_chat_template, template_messages
 from paxserve.server.handlers import chat_completions, completions
 from paxserve.server.metrics import ServerMetrics
-from paxserve.server.protocol import check_model, check_request_chat_template, get_bool, get_dict, parse_messages, token_ids
+from paxserve.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, parse_body
 from paxserve.server.request_body import read_json
 from paxserve.server.settings import ServerSettings
 from paxserve.server.state import STATE, ServerState
@@ -32,24 +34,21 @@ from paxserve.server.state import STATE, ServerState
 logger = logging.getLogger("paxserve.server")
 
 
-def create_app(async_engine: Any, settings: ServerSettings | None = None) -> web.Application:
-    """An app serving `async_engine` (a paxserve AsyncEngine). Limits left unset in `settings`
-    (max_model_len, vocab_size, max_num_seqs) are read from the engine."""
+def create_app(async_engine: EngineClient, settings: ServerSettings | None = None) -> web.Application:
+    """An app serving `async_engine`. Limits left unset in `settings` (max_model_len, vocab_size,
+    max_num_seqs, sampling defaults) are the engine's."""
     settings = settings or ServerSettings()
-    engine = async_engine.engine
+    limits = async_engine.limits
     if settings.max_model_len is None:
-        settings.max_model_len = engine.max_model_len
+        settings.max_model_len = limits.max_model_len
     if settings.vocab_size is None:
-        settings.vocab_size = engine.model_config.vocab_size
+        settings.vocab_size = limits.vocab_size
     if settings.max_num_seqs is None:
-        settings.max_num_seqs = engine.config.max_num_seqs
+        settings.max_num_seqs = limits.max_num_seqs
     if settings.sampling_defaults is None:
-        settings.sampling_defaults = dict(getattr(engine, "sampling_defaults", None) or {})
-    info = {}
-    plan = getattr(engine, "plan", None)
-    if plan is not None:
-        info = {"block_size": str(plan.block_size), "num_gpu_blocks": str(plan.num_blocks),
-                "enable_prefix_caching": str(engine.config.enable_prefix_caching)}
+        settings.sampling_defaults = dict(limits.sampling_defaults)
+    info = {"block_size": str(limits.block_size), "num_gpu_blocks": str(limits.num_gpu_blocks),
+            "enable_prefix_caching": str(limits.enable_prefix_caching)}
     metrics = ServerMetrics(settings.model_name, settings.max_model_len, info)
     app = web.Application(middlewares=[error_middleware, _auth_middleware],
                           client_max_size=settings.client_max_size)
@@ -165,32 +164,27 @@ async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
     state = request.app[STATE]
     body = await read_json(request, state)
-    check_model(body, state.settings)
     inputs = state.async_engine.input_processor
-    return_strs = bool(get_bool(body, "return_token_strs", False))
     if body.get("messages") is not None:
-        messages = parse_messages(body["messages"])
-        add_generation_prompt = bool(get_bool(body, "add_generation_prompt", True))
-        continue_final = bool(get_bool(body, "continue_final_message", False))
-        add_special = bool(get_bool(body, "add_special_tokens", False))
-        template = check_request_chat_template(body, state.settings)
-        template_kwargs = get_dict(body, "chat_template_kwargs") or {}
+        chat = parse_body(TokenizeChatRequest, body)
+        check_model(chat.model, state.settings)
+        messages = template_messages(chat)
+        template = check_request_chat_template(chat, state.settings) or state.settings.chat_template
 
         def run() -> tuple[list[int], list[str] | None]:
-            text = inputs.render_chat(messages, chat_template=template or state.settings.chat_template,
-                                      add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final, template_kwargs=template_kwargs)
-            ids = inputs.tokenize(text, add_special_tokens=add_special, param="messages")
-            return ids, inputs.tokenizer.convert_ids_to_tokens(ids) if return_strs else None
+            text = inputs.render_chat(messages, chat_template=template,
+                                      add_generation_prompt=chat.add_generation_prompt,
+                                      continue_final_message=chat.continue_final_message,
+                                      template_kwargs=chat.chat_template_kwargs)
+            ids = inputs.tokenize(text, add_special_tokens=chat.add_special_tokens, param="messages")
+            return ids, inputs.tokenizer.convert_ids_to_tokens(ids) if chat.return_token_strs else None
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise ProtocolError("`prompt` (a string) or `messages` is required", param="prompt")
-        add_special = bool(get_bool(body, "add_special_tokens", True))
+        req = parse_body(TokenizeRequest, body)
+        check_model(req.model, state.settings)
 
         def run() -> tuple[list[int], list[str] | None]:
-            ids = inputs.tokenize(prompt, add_special_tokens=add_special)  # refuses a model without tokenizer
-            return ids, inputs.tokenizer.convert_ids_to_tokens(ids) if return_strs else None
+            ids = inputs.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)  # needs a tokenizer
+            return ids, inputs.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
     ids, strs = await _on_worker(state, run)
     return web.json_response({"count": len(ids), "max_model_len": state.settings.max_model_len, "tokens": ids,
@@ -200,14 +194,15 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
     state = request.app[STATE]
-    body = await read_json(request, state)
-    check_model(body, state.settings)
-    if body.get("tokens") is None:
-        raise ProtocolError("`tokens` is required", param="tokens")
-    ids = token_ids(body["tokens"], "tokens", state.settings.vocab_size, allow_empty=True)
+    req = parse_body(DetokenizeRequest, await read_json(request, state))
+    check_model(req.model, state.settings)
     inputs = state.async_engine.input_processor
-    text = await _on_worker(state, lambda: inputs.require_tokenizer("tokens").decode(ids))
-    return web.json_response({"prompt": text})
+
+    def run() -> str:
+        ids = inputs.check_token_ids(req.tokens, "tokens") if req.tokens else []
+        return inputs.require_tokenizer("tokens").decode(ids)
+
+    return web.json_response({"prompt": await _on_worker(state, run)})
 
 
 _INFO_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id", "pad_token_id",

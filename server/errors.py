@@ -31,7 +31,6 @@ ERROR_TYPES = {
     503: "ServiceUnavailable",
 }
 
-_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
 # What must never reach a client: memory addresses (`<Future at 0x7f...>`), file paths, tracebacks.
 _ADDRESS = re.compile(r"\s*(?:at )?0x[0-9a-fA-F]{4,}")
 _PATH = re.compile(r"/(?:home|usr|tmp|opt|root|var|etc|lib|lib64|srv|mnt|proc|work|Users|private|nix)(?:/[\w.@+-]+)+"
@@ -77,26 +76,11 @@ def error_response(err: ProtocolError) -> web.Response:
 
 def from_value_error(e: ValueError, default_param: str | None = None,
                      renames: dict[str, str] | None = None) -> ProtocolError:
-    """Map a ValueError from SamplingParams or the input processor to a 400 naming the field;
-    `renames` maps engine field names to the names the client used (max_tokens ->
-    max_completion_tokens, prompt -> messages)."""
-    err = ProtocolError(str(e), param=_value_error_param(e, default_param))
-    if renames and err.param in renames:
-        err.param = renames[err.param]
-    return err
-
-
-def _value_error_param(e: ValueError, default_param: str | None) -> str | None:
-    param = getattr(e, "param", None)  # paxserve.engine.input_processor.RequestError names its field
-    if param is not None:
-        return param
-    message = str(e)
-    match = _SAMPLING_FIELD.search(message)
-    if match:
-        return match.group(1)
-    if message.startswith("prompt:"):
-        return default_param or "prompt"
-    return default_param
+    """A ValueError from SamplingParams or the input processor as a 400 naming the field: their
+    RequestError carries it (`param`); `renames` maps engine field names to the names the client
+    used (max_tokens -> max_completion_tokens, prompt -> messages)."""
+    param = getattr(e, "param", None) or default_param
+    return ProtocolError(str(e), param=(renames or {}).get(param, param) if param is not None else None)
 
 
 def from_http_exception(e: web.HTTPException, request: web.Request) -> ProtocolError:

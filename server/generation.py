@@ -16,11 +16,10 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import replace
-from typing import Any
 
+from paxserve.engine.client import EngineClient
 from paxserve.outputs import RequestOutput
-from paxserve.sampling_params import RequestOutputKind, SamplingParams
+from paxserve.sampling_params import SamplingParams
 from paxserve.server.errors import ProtocolError, engine_stopped, from_value_error, internal_error
 from paxserve.server.metrics import RequestTracker, ServerMetrics
 from paxserve.server.prompts import PromptInput
@@ -32,7 +31,11 @@ class ServerShutdown(Exception):
     """Put into a run's queue when the server stops while the request is in flight."""
 
 
-def engine_failure(async_engine: Any, e: BaseException) -> ProtocolError:
+def new_run_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def engine_failure(async_engine: EngineClient, e: BaseException) -> ProtocolError:
     if not async_engine.is_alive:
         return engine_stopped()
     logger.error("a request failed in the engine", exc_info=e)
@@ -40,14 +43,13 @@ def engine_failure(async_engine: Any, e: BaseException) -> ProtocolError:
 
 
 class GenerationRun:
-    def __init__(self, async_engine: Any, metrics: ServerMetrics, prefix: str, prompts: list[PromptInput],
-                 params: SamplingParams, arrival: float, cache_salt: str | None = None) -> None:
+    def __init__(self, async_engine: EngineClient, metrics: ServerMetrics, run_id: str, prompts: list[PromptInput],
+                 params: SamplingParams, arrival: float) -> None:
         self.async_engine = async_engine
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = run_id
         self.prompts = prompts
-        self.params = replace(params, output_kind=RequestOutputKind.DELTA)
+        self.params = params
         self.arrival = arrival
-        self.cache_salt = cache_salt
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue(maxsize=len(prompts))
         self.engine_ids = [f"{self.id}-{i}" for i in range(len(prompts))]
@@ -60,8 +62,7 @@ class GenerationRun:
         self._tasks = [asyncio.create_task(self._pump(i), name=f"pump {rid}") for i, rid in enumerate(self.engine_ids)]
 
     async def _pump(self, i: int) -> None:
-        stream = self.async_engine.generate(self.engine_ids[i], self.prompts[i].token_ids, self.params,
-                                            cache_salt=self.cache_salt, arrival_time=self.arrival)
+        stream = self.async_engine.generate(self.engine_ids[i], self.prompts[i].request)
         try:
             async with contextlib.aclosing(stream):  # leaving early aborts the engine request at once
                 async for out in stream:

@@ -11,10 +11,10 @@ from aiohttp import web
 
 from paxserve.outputs import CompletionOutput, RequestOutput
 from paxserve.server import responses as R
-from paxserve.server.errors import ProtocolError, from_value_error, internal_error
-from paxserve.server.generation import GenerationRun, ServerShutdown, engine_failure
-from paxserve.server.prompts import PromptInput, render_prompts
-from paxserve.server.protocol import GenerationSpec, parse_chat_request, parse_completion_request
+from paxserve.server.errors import ProtocolError, internal_error
+from paxserve.server.generation import GenerationRun, ServerShutdown, engine_failure, new_run_id
+from paxserve.server.generation_spec import GenerationSpec, parse_chat_request, parse_completion_request
+from paxserve.server.prompts import PromptInput, process_prompts
 from paxserve.server.request_body import read_json
 from paxserve.server.state import STATE, ServerState
 from paxserve.server.streaming import send_done, send_error, send_event, start_stream
@@ -36,15 +36,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await serve_generation(request, state, spec, arrival)
 
 
-async def _render(state: ServerState, spec: GenerationSpec) -> list[PromptInput]:
-    """Render and tokenize on an input worker (never on the step loop)."""
+async def _process(state: ServerState, spec: GenerationSpec, run_id: str, arrival: float) -> list[PromptInput]:
+    """Render, tokenize and check on an input worker (never on the step loop): the one call."""
     try:
-        return await state.async_engine.run_input(render_prompts, state.async_engine.input_processor, spec,
-                                                  state.settings.chat_template)
+        return await state.async_engine.run_input(process_prompts, state.async_engine.input_processor, spec,
+                                                  state.settings.chat_template, run_id, arrival)
     except ProtocolError:
         raise
-    except ValueError as e:
-        raise from_value_error(e, "messages" if spec.kind == "chat" else "prompt") from None
     except Exception as e:  # noqa: BLE001 - the engine died, or something unexpected
         raise engine_failure(state.async_engine, e) from None
 
@@ -55,9 +53,9 @@ async def serve_generation(request: web.Request, state: ServerState, spec: Gener
     state.admit(spec.num_seqs)
     run: GenerationRun | None = None
     try:
-        prompts = await _render(state, spec)
-        prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
-        run = GenerationRun(state.async_engine, state.metrics, prefix, prompts, spec.params, arrival, spec.cache_salt)
+        run_id = new_run_id("chatcmpl" if spec.kind == "chat" else "cmpl")
+        prompts = await _process(state, spec, run_id, arrival)
+        run = GenerationRun(state.async_engine, state.metrics, run_id, prompts, spec.params, arrival)
         if state.settings.log_requests:
             logger.info("request %s: %s prompt tokens, %s", run.id, [len(p.token_ids) for p in prompts], spec.params)
         state.runs.add(run)

@@ -1,50 +1,51 @@
-"""Turn validated prompts into token ids, on an input worker (`AsyncEngine.run_input`), never on
-the step loop. Every check raises before anything is queued, with the HTTP field to blame."""
+"""A generation request's prompts -> engine requests, on an input worker (`AsyncEngine.run_input`),
+never on the step loop: the chat template, then one `InputProcessor.process` per prompt, which is
+the request's only check against the tokenizer and the engine's limits. What it returns the engine
+trusts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
-from paxserve.server.errors import ProtocolError, from_value_error
-from paxserve.server.protocol import GenerationSpec
+from paxserve.core.interface import EngineCoreRequest
+from paxserve.engine.input_processor import InputProcessor
+from paxserve.sampling_params import RequestError, RequestOutputKind
+from paxserve.server.errors import from_value_error
+from paxserve.server.generation_spec import GenerationSpec
 
 
 @dataclass(slots=True)
 class PromptInput:
     text: str | None  # the prompt as text (echo); None when the model has no tokenizer
-    token_ids: list[int]
+    request: EngineCoreRequest
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
 
-def render_prompts(inputs: Any, spec: GenerationSpec, server_chat_template: str | None) -> list[PromptInput]:
-    """Token ids for every prompt of the request (one for chat), each checked against the context:
-    the prompt must leave room, and prompt + max_tokens must fit (vLLM's 400s). `inputs` is the
-    engine's InputProcessor."""
-    param = "messages" if spec.kind == "chat" else "prompt"
-    renames = {"max_tokens": spec.max_tokens_param, "prompt": param}
+def process_prompts(inputs: InputProcessor, spec: GenerationSpec, server_chat_template: str | None,
+                    run_id: str, arrival: float) -> list[PromptInput]:
+    """One engine request per prompt of `spec` (one for chat), ids `{run_id}-{i}`, streaming deltas.
+    Raises ProtocolError naming the client's field."""
+    params = replace(spec.params, output_kind=RequestOutputKind.DELTA)
     try:
-        spec.params.check_vocab(inputs.vocab_size)
-        if spec.params.structured_outputs is not None:  # compiled here (cached), so a bad schema is a 400
-            inputs.compile_grammar(spec.params.structured_outputs, param=spec.structured_param or "structured_outputs")
         if spec.kind == "chat":
             text = inputs.render_chat(spec.messages, chat_template=spec.chat_template or server_chat_template,
                                       add_generation_prompt=spec.add_generation_prompt,
                                       continue_final_message=spec.continue_final_message,
                                       tools=spec.tools, template_kwargs=spec.chat_template_kwargs)
-            prompts = [PromptInput(text, inputs.tokenize(text, add_special_tokens=False, param=param))]
+            prompts: list[str | list[int]] = [text]
         else:
-            prompts = []
-            for prompt in spec.prompts:
-                if isinstance(prompt, str):
-                    prompts.append(PromptInput(prompt, inputs.tokenize(prompt, param=param)))
-                else:
-                    text = inputs.tokenizer.decode(prompt) if inputs.tokenizer is not None and spec.echo else None
-                    prompts.append(PromptInput(text, list(prompt)))
-        for p in prompts:
-            inputs.check_prompt_length(len(p.token_ids), param)
-            inputs.resolve_max_tokens(len(p.token_ids), spec.params)
-    except ProtocolError:
-        raise
-    except ValueError as e:
-        raise from_value_error(e, param, renames) from None
-    return prompts
+            prompts = spec.prompts
+        out = []
+        for i, prompt in enumerate(prompts):
+            request = inputs.process(f"{run_id}-{i}", prompt, params, cache_salt=spec.cache_salt, arrival_time=arrival,
+                                     add_special_tokens=spec.kind != "chat", prompt_param=spec.prompt_param)
+            text = request.prompt
+            if text is None and spec.echo and inputs.tokenizer is not None:
+                text = inputs.tokenizer.decode(request.prompt_token_ids)
+            out.append(PromptInput(text, request))
+        return out
+    except RequestError as e:
+        raise from_value_error(e, spec.prompt_param, spec.renames()) from None

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from paxserve.server.errors import ProtocolError
 from paxserve.server.protocol import parse_json_body
 from paxserve.server.transport import read_body
+
+if TYPE_CHECKING:
+    from paxserve.server.state import ServerState
 
 _JSON_TYPES = ("application/json",)
 
@@ -25,6 +28,6 @@ def check_json_content_type(request: web.Request) -> None:
                         "`Content-Type: application/json` (curl: -H 'Content-Type: application/json').", status=415)
 
 
-async def read_json(request: web.Request, state: Any) -> dict[str, Any]:
+async def read_json(request: web.Request, state: ServerState) -> dict[str, Any]:
     check_json_content_type(request)
     return parse_json_body(await read_body(request, state.settings.body_timeout_s))

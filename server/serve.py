@@ -15,12 +15,16 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from paxserve.server.settings import DEFAULT_MODEL_NAME, ServerSettings
 from paxserve.server.transport import TransportLimits, make_runner
+
+if TYPE_CHECKING:  # the app's modules load when serving starts, after the engine
+    from paxserve.engine.client import EngineClient
+    from paxserve.server.state import ServerState
 
 logger = logging.getLogger("paxserve.server")
 HANDLER_GRACE_S = 2.0  # after the in-flight requests were aborted, handlers get this long to end
@@ -134,7 +138,7 @@ def _version() -> str:
     return paxserve.__version__
 
 
-async def serve(async_engine: Any, settings: ServerSettings, host: str | None, port: int,
+async def serve(async_engine: EngineClient, settings: ServerSettings, host: str | None, port: int,
                 limits: TransportLimits | None = None, shutdown_timeout: float = 0.0) -> int:
     """Serve until a signal or an engine death; return the process exit status (0, or 1 after a death)."""
     from paxserve.server.app import create_app
@@ -196,7 +200,7 @@ async def serve(async_engine: Any, settings: ServerSettings, host: str | None, p
     return 1 if dead else 0
 
 
-async def _drain(state: Any, signal_name: str, timeout: float) -> None:
+async def _drain(state: ServerState, signal_name: str, timeout: float) -> None:
     """Refuse new requests (503, /health too) and let the ones in flight finish, up to `timeout`."""
     state.shutting_down = True
     logger.info("received %s: draining %d in-flight sequences for up to %.0fs (new requests get 503; a second "

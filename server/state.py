@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 from aiohttp import web
 
+from paxserve.engine.client import EngineClient
 from paxserve.server.errors import ProtocolError, engine_stopped
 from paxserve.server.generation import GenerationRun
 from paxserve.server.metrics import ServerMetrics
@@ -15,7 +14,7 @@ from paxserve.server.settings import ServerSettings
 
 @dataclass(slots=True)
 class ServerState:
-    async_engine: Any  # paxserve.engine.async_engine.AsyncEngine (not imported: it pulls in JAX)
+    async_engine: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
     created: int

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from paxserve.server.errors import ProtocolError
+from paxserve.server.protocol import SamplingFields
 from paxserve.structured_outputs import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -72,16 +73,17 @@ def _guided(name: str, value: Any) -> StructuredOutputsParams:
     return _params(name, **{kind: value})
 
 
-def parse_structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+def parse_structured_outputs(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's constraint and the field it came from (None, None when unconstrained)."""
     found: list[tuple[StructuredOutputsParams | None, str]] = []
-    if body.get("response_format") is not None:
-        found.append((_from_response_format(body["response_format"]), "response_format"))
-    if body.get("structured_outputs") not in (None, {}):
-        found.append((_from_structured_outputs(body["structured_outputs"]), "structured_outputs"))
+    if req.response_format is not None:
+        found.append((_from_response_format(req.response_format), "response_format"))
+    if req.structured_outputs not in (None, {}):
+        found.append((_from_structured_outputs(req.structured_outputs), "structured_outputs"))
     for name in _GUIDED:
-        if body.get(name) not in (None, [], ""):
-            found.append((_guided(name, body[name]), name))
+        value = getattr(req, name)
+        if value not in (None, [], ""):
+            found.append((_guided(name, value), name))
     found = [(c, f) for c, f in found if c is not None]
     if len(found) > 1:
         names = ", ".join(f for _, f in found)

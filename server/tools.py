@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paxserve.server.errors import ProtocolError
+from paxserve.server.protocol import ChatCompletionRequest
 from paxserve.server.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from paxserve.server.settings import ServerSettings
 from paxserve.server.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStream, ToolParser, get_tool_parser,
@@ -33,18 +34,16 @@ class ToolSpec:
     constraint: StructuredOutputsParams | None  # the guiding schema of a forced choice
 
 
-def parse_tools(body: dict, settings: ServerSettings) -> ToolSpec:
+def parse_tools(req: ChatCompletionRequest, settings: ServerSettings) -> ToolSpec:
     try:
-        tools = validate_tools(body.get("tools"))
+        tools = validate_tools(req.tools)
     except ValueError as e:
         raise ProtocolError(str(e), param="tools") from None
     try:
-        choice = validate_tool_choice(body.get("tool_choice"), tools)
+        choice = validate_tool_choice(req.tool_choice, tools)
     except ValueError as e:
         raise ProtocolError(str(e), param="tool_choice") from None
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise ProtocolError("`parallel_tool_calls` must be a boolean", param="parallel_tool_calls")
+    parallel = req.parallel_tool_calls
     if choice == "none" or not tools:
         return ToolSpec(tools, choice, None, None)
     if choice == "auto":

@@ -23,15 +23,18 @@ import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from paxserve.core.interface import EngineCoreRequest, EngineSnapshot
+from paxserve.engine.build import EngineParts
 from paxserve.engine.input_processor import Prompt
-from paxserve.engine.llm_engine import Engine
 from paxserve.outputs import RequestOutput
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from paxserve.engine.llm_engine import Engine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,18 +98,23 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, num_input_workers: int = 2, max_pending_tokens: int = 256) -> None:
+    def __init__(self, parts: EngineParts | Engine, *, num_input_workers: int = 2,
+                 max_pending_tokens: int = 256) -> None:
+        """Serve `parts` (from `build_engine_parts`; an `Engine` hands over its own, and must not
+        be driven by its caller from then on)."""
         if num_input_workers < 1:
             raise ValueError(f"AsyncEngine.num_input_workers={num_input_workers} must be >= 1")
         if max_pending_tokens < 1:
             raise ValueError(f"AsyncEngine.max_pending_tokens={max_pending_tokens} must be >= 1")
-        if engine.is_worker:
+        parts = getattr(parts, "parts", parts)  # an Engine's
+        if parts.is_worker:
             raise ValueError("AsyncEngine serves requests on node rank 0; node ranks 1..N-1 call Engine.run_worker()")
-        self.engine = engine
-        self.input_processor = engine.input_processor
+        self.parts = parts
+        self.input_processor = parts.input_processor
+        self.limits = parts.limits
         self.max_pending_tokens = max_pending_tokens
-        self._core = engine.core
-        self._output_processor = engine.output_processor
+        self._core = parts.core
+        self._output_processor = parts.output_processor
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._to_outputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # Inside the engine each request runs under an id of its own incarnation, so outputs still in
@@ -119,7 +127,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._death_callbacks: list[Callable[[BaseException], None]] = []
         self.error: BaseException | None = None
-        self.snapshot: EngineSnapshot = engine.core.snapshot()
+        self.snapshot: EngineSnapshot = parts.core.snapshot()
         self._pool = ThreadPoolExecutor(num_input_workers, thread_name_prefix="paxserve-input")
         self._step_thread = threading.Thread(target=self._guard, args=(self._step_loop,), name="paxserve-engine",
                                              daemon=True)
@@ -127,10 +135,10 @@ class AsyncEngine:
                                                name="paxserve-output", daemon=True)
         self._step_thread.start()
         self._output_thread.start()
-        if engine.cluster is not None:
+        if parts.cluster is not None:
             # A lost worker leaves the step thread waiting on a collective that never completes, or
             # failing: either way the engine is dead, and every waiting request is told so now.
-            engine.cluster.on_lost(self._die)
+            parts.cluster.on_lost(self._die)
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -174,18 +182,22 @@ class AsyncEngine:
         self._check_alive()
         return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                       cache_salt: str | None = None, arrival_time: float | None = None
+    async def generate(self, request_id: str, prompt: Prompt | EngineCoreRequest, params: SamplingParams | None = None,
+                       *, cache_salt: str | None = None, arrival_time: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (in its params' output kind). Invalid input raises
-        ValueError before anything streams. Leaving early (a client gone, a cancelled task)
+        ValueError before anything streams; an `EngineCoreRequest` (made by `input_processor.process`
+        on an input worker, as the server does) is trusted as it is. Leaving early (a client gone, a cancelled task)
         aborts the request and frees its blocks; no moment of cancellation is unsafe."""
-        params = params or self.input_processor.default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         engine_id = f"{request_id}\x1f{next(self._serial)}"
-        request = await self.run_input(self.input_processor.process, engine_id, prompt, params,
-                                       cache_salt=cache_salt, arrival_time=arrival_time)
+        if isinstance(prompt, EngineCoreRequest):  # processed on the caller's input worker already
+            request = replace(prompt, request_id=engine_id)
+        else:
+            params = params or self.input_processor.default_sampling_params()
+            request = await self.run_input(self.input_processor.process, engine_id, prompt, params,
+                                           cache_salt=cache_salt, arrival_time=arrival_time)
         stream = self._register(request_id, request)
         finished = False
         try:

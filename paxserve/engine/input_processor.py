@@ -18,20 +18,12 @@ from paxserve.core.interface import EngineCoreRequest
 from paxserve.engine.chat_template.template import RenderLimits, render_chat_template
 from paxserve.engine.generation_config import default_sampling_params
 from paxserve.engine.grammar import DEFAULT_COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler, GrammarError
-from paxserve.sampling_params import SamplingParams
+from paxserve.sampling_params import RequestError, SamplingParams
 from paxserve.structured_outputs import StructuredOutputsParams
 
 # vLLM's prompt forms: text, token ids, or a dict (TextPrompt / TokensPrompt) that may carry a cache salt.
 Prompt = str | list[int] | Mapping[str, Any]
 MIN_CHARS_PER_TOKEN_BOUND = 16
-
-
-class RequestError(ValueError):
-    """An invalid request; `param` names the field at fault (prompt, messages, max_tokens, ...)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def context_length_error(max_model_len: int, num_tokens: int, param: str = "prompt") -> RequestError:
@@ -105,11 +97,10 @@ class InputProcessor:
             raise RequestError("this model has no chat template; start the server with --chat-template",
                                param="messages")
         special = {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
+        kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      tools=tools, special_tokens=special, template_kwargs=template_kwargs)
         try:
-            return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message, tools=tools,
-                                        special_tokens=special, template_kwargs=template_kwargs,
-                                        limits=self.render_limits)
+            return render_chat_template(template, messages, limits=self.render_limits, **kwargs)
         except ValueError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", param="messages") \
                 from None
@@ -163,17 +154,19 @@ class InputProcessor:
     # ---- the request ---------------------------------------------------------------------------
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                cache_salt: str | None = None, arrival_time: float | None = None) -> EngineCoreRequest:
-        """Tokenize and validate one request. Raises RequestError and changes nothing."""
+                cache_salt: str | None = None, arrival_time: float | None = None, add_special_tokens: bool = True,
+                prompt_param: str = "prompt") -> EngineCoreRequest:
+        """Tokenize and validate one request: the only check a request gets after its body's types
+        (everything downstream trusts the result). Raises RequestError and changes nothing.
+
+        A rendered chat prompt already holds its special tokens (`add_special_tokens=False`);
+        `prompt_param` is the field its errors blame (`messages` for chat)."""
         params = params or self.default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string", param="request_id")
-        text, ids, cache_salt = self._prompt(prompt, cache_salt)
-        self.check_prompt_length(len(ids))
-        try:
-            params.check_vocab(self.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e), param=_sampling_field(e)) from None
+        text, ids, cache_salt = self._prompt(prompt, cache_salt, add_special_tokens, prompt_param)
+        self.check_prompt_length(len(ids), prompt_param)
+        params.check_vocab(self.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, but this model was loaded without one", param="stop")
         max_tokens = self.resolve_max_tokens(len(ids), params)
@@ -184,7 +177,8 @@ class InputProcessor:
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids, seeds=seeds, cache_salt=cache_salt,
             grammar=grammar, arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
-    def _prompt(self, prompt: Prompt, cache_salt: str | None) -> tuple[str | None, list[int], str | None]:
+    def _prompt(self, prompt: Prompt, cache_salt: str | None, add_special_tokens: bool,
+                param: str) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, Mapping):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
@@ -198,8 +192,8 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RequestError("cache_salt must be a non-empty string if provided", param="cache_salt")
         if isinstance(prompt, str):
-            return prompt, self.tokenize(prompt), cache_salt
-        return None, self.check_token_ids(prompt), cache_salt
+            return prompt, self.tokenize(prompt, add_special_tokens=add_special_tokens, param=param), cache_salt
+        return None, self.check_token_ids(prompt, param), cache_salt
 
     def _sample_seed(self, seed: int | None, index: int, n: int) -> int:
         if seed is None:
@@ -210,10 +204,3 @@ class InputProcessor:
         # Distinct, reproducible streams for the n samples of one seeded request.
         return int(np.random.default_rng([seed, index]).integers(0, 2**63))
 
-
-def _sampling_field(e: ValueError) -> str | None:
-    message = str(e)
-    prefix = "SamplingParams."
-    if message.startswith(prefix):
-        return message[len(prefix):].split("=", 1)[0]
-    return None

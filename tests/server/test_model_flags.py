@@ -11,7 +11,7 @@ import pytest
 from conftest import start_server
 from paxserve.config import EngineConfig
 from paxserve.server.cli import build_parser, main
-from paxserve.server.protocol import parse_chat_request, parse_completion_request
+from paxserve.server.generation_spec import parse_chat_request, parse_completion_request
 from paxserve.server.serve import engine_kwargs
 from paxserve.server.settings import ServerSettings
 from tests.paxserve.tiny_checkpoints import make_model, save_byte_tokenizer

@@ -1,0 +1,272 @@
+"""Building an engine: config -> memory plan -> weights -> KV cache -> scheduler, runner, core and
+the two processors, each step logged in plain words.
+
+`build_engine_parts(config)` is the one builder; the offline `Engine` and the serving `AsyncEngine`
+are siblings that drive the parts it returns, from the caller's thread or from their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+
+from paxserve.config import EngineConfig
+from paxserve.core.kv_cache_manager import KVCacheManager
+from paxserve.core.scheduler import Scheduler, SchedulerConfig
+from paxserve.distributed.cluster import Cluster, PlanChannel
+from paxserve.distributed.rendezvous import settings_digest
+from paxserve.engine.client import ServingLimits
+from paxserve.engine.engine_core import EngineCore
+from paxserve.engine.generation_config import GENERATION_CONFIG_MODES, resolve_sampling_defaults
+from paxserve.engine.input_processor import InputProcessor
+from paxserve.engine.output_processor import OutputProcessor
+from paxserve.engine.stats import StatsLogger
+from paxserve.kernels import AttentionBackend, resolve_attention_backend
+from paxserve.models.loader import ModelInfo, cache_root, inspect_model, load_model
+from paxserve.models.registry import get_architecture
+from paxserve.models.sharding import TensorParallel, device_share, param_bytes
+from paxserve.worker.memory_plan import DeviceMemory, KVCachePlan, configure_allocator, device_memory, plan_kv_cache
+from paxserve.worker.model_runner import ModelRunner, zero_kv_cache
+from paxserve.worker.sampling.sampler import SamplerState
+from paxserve.worker.step_functions import StepShapes, measure_activation_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """A built engine's pieces. Rank 0 of several hosts (or a single host) drives `core` through
+    the processors; ranks 1..N-1 only run `runner` for rank 0 (`is_worker`)."""
+
+    config: EngineConfig
+    cluster: Cluster | None
+    channel: PlanChannel | None  # rank 0 -> workers (None on a single host, or once closed)
+    attention_backend: AttentionBackend
+    activation_bytes: int  # what the plan reserves for the largest step's temporaries
+    plan: KVCachePlan
+    model: Any  # paxserve.models.loader.LoadedModel
+    sampling_defaults: Mapping[str, Any]  # --generation-config, SamplingParams' names
+    max_num_batched_tokens: int
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    stats: StatsLogger
+    core: EngineCore
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+    warmup_seconds: float = 0.0  # how long start-up compilation took (0 with warmup=False)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.model.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.plan.max_model_len
+
+    @property
+    def is_worker(self) -> bool:
+        """A rank 1..N-1 of a multi-host engine: it runs rank 0's steps, not requests."""
+        return self.cluster is not None and self.cluster.rank != 0
+
+    @property
+    def limits(self) -> ServingLimits:
+        return ServingLimits(max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+                             max_num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
+                             num_gpu_blocks=self.plan.num_blocks,
+                             enable_prefix_caching=self.config.enable_prefix_caching,
+                             sampling_defaults=dict(self.sampling_defaults or {}))
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """Everything an engine runs on, ready (warmed up unless `config.warmup` is False)."""
+    # Before anything starts JAX's backend: its GPU pool is sized once, at start.
+    from jax._src import xla_bridge
+
+    logger.info("GPU memory: %s", configure_allocator(config.gpu_memory_utilization,
+                                                      xla_bridge.backends_are_initialized()))
+    cluster = _join_cluster(config, xla_bridge.backends_are_initialized())
+    # Rank 0's device calls go to the workers before it makes them (`paxserve.distributed.worker_loop`).
+    channel = None if cluster is None else cluster.channel()
+    if config.trust_remote_code:
+        logger.warning("--trust-remote-code / trust_remote_code=True has no effect: paxserve never runs code "
+                       "from a checkpoint and loads only the architectures it implements")
+    # --generation-config DIR is read and checked now, before the weights load; "auto" reads the
+    # model's own file, which load_model returns.
+    file_defaults = None if config.generation_config in GENERATION_CONFIG_MODES else \
+        resolve_sampling_defaults(config.generation_config, {}, "")
+    info = inspect_model(config.model, config.dtype)
+    if channel is not None:
+        _check_same_model(channel, f"{info.config!r}|{info.dtype}")
+    # Checked before anything loads: a size the model cannot split fails naming the valid ones.
+    tp = TensorParallel.create(info.config, config.tensor_parallel_size,
+                               expert_parallel=config.enable_expert_parallel) \
+        if config.tensor_parallel_size > 1 else None
+    # Memory is planned per device, from one device's share of the model (its heads, its slice of
+    # every width, its KV heads): the host side then sees one cache of num_blocks blocks.
+    local_cfg = info.config if tp is None else tp.local
+    attention_backend = resolve_attention_backend(
+        config.attention_backend, jax.devices()[0].platform, num_heads=local_cfg.num_heads,
+        num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
+        dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
+        compute_capability=getattr(jax.local_devices()[0], "compute_capability", None))
+    logger.info("attention backend: %s", attention_backend)
+    plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster)
+    # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU).
+    kv_zeroing = zero_kv_cache(local_cfg, plan.num_blocks, config.block_size, info.dtype) if tp is None else None
+    model = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
+                       tensor_parallel_size=config.tensor_parallel_size,
+                       enable_expert_parallel=config.enable_expert_parallel)
+    # vLLM's --generation-config: defaults for the sampling fields a request leaves unset.
+    sampling_defaults, defaults_line = file_defaults or resolve_sampling_defaults(
+        config.generation_config, model.generation_config, model.source)
+    if defaults_line is not None:
+        logger.info("%s", defaults_line)
+    max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+    kv = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, plan.max_model_len), kv)
+    is_worker = cluster is not None and cluster.rank != 0
+    runner = ModelRunner(model, plan.num_blocks, config.block_size, plan.max_model_len,
+                         attention_backend=attention_backend, max_num_seqs=config.max_num_seqs,
+                         program_store=_program_store(config, cluster), background_compile=config.compile_in_background,
+                         kv_cache=None if kv_zeroing is None else kv_zeroing.result(),
+                         plan_sink=channel.send if channel is not None and not is_worker else None)
+    stats = StatsLogger(config.log_stats_interval)
+    core = EngineCore(runner, kv, scheduler, model.config.vocab_size, stats,
+                      async_scheduling=_async_scheduling(config), isolate_failed_steps=cluster is None)
+    input_processor = InputProcessor(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
+                                     plan.max_model_len, config.seed, sampling_defaults=sampling_defaults)
+    parts = EngineParts(config, cluster, channel, attention_backend, activation_bytes, plan, model, sampling_defaults,
+                        max_num_batched_tokens, kv, scheduler, runner, stats, core, input_processor,
+                        OutputProcessor(model.tokenizer))
+    if config.warmup:
+        parts.warmup_seconds = _warmup(runner, config.max_num_seqs, max_num_batched_tokens)
+    return parts
+
+
+def _join_cluster(config: EngineConfig, backend_running: bool) -> Cluster | None:
+    """Multi-host: every rank joins before JAX starts its backend (the runtime spans the processes)."""
+    if config.nnodes <= 1:
+        return None
+    if backend_running and not Cluster.is_started():
+        raise ValueError("a multi-host engine (nnodes > 1) must be built before anything else starts JAX in "
+                         "its process: JAX's distributed runtime cannot join once a backend is running")
+    return Cluster.join(config.cluster_config(), settings_digest(config.shared_settings()))
+
+
+def _check_same_model(channel: PlanChannel, description: str) -> None:
+    digest = hashlib.sha256(description.encode()).hexdigest()[:16]
+    digests = channel.gather("model", digest)
+    others = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    if others:
+        raise ValueError(f"node rank(s) {', '.join(map(str, others))} loaded a model of another shape or dtype "
+                         f"than node rank 0: every rank must be given the same checkpoint")
+
+
+def _device_memory() -> DeviceMemory | None:
+    """The accelerator's total memory and JAX's pool on it, or None on CPU (the KV cache then uses
+    a host budget)."""
+    device = jax.local_devices()[0]  # this host's (another host's devices cannot be queried)
+    if device.platform == "cpu":
+        return None
+    return device_memory(device.memory_stats())
+
+
+def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None, backend: AttentionBackend,
+                 channel: PlanChannel | None, cluster: Cluster | None) -> tuple[KVCachePlan, int]:
+    """The KV cache plan (and the activation bytes it reserved), before the weights load."""
+    arch = get_architecture(info.config.architecture)
+    local_cfg = info.config if tp is None else tp.local
+    weight_bytes = info.weight_bytes if tp is None else param_bytes(device_share(
+        info.config, tp.size, lambda c: arch.abstract_params(c, info.dtype), tp.expert_parallel))
+    memory = _device_memory()
+    device_bytes = None if memory is None else memory.total_bytes
+    if memory is not None:
+        logger.info("GPU memory: %.1f GiB on the device, JAX's pool %.1f GiB; planning with %.1f GiB "
+                    "(gpu_memory_utilization %s)", memory.total_bytes / 2**30, memory.pool_bytes / 2**30,
+                    memory.usable(config.gpu_memory_utilization) / 2**30, config.gpu_memory_utilization)
+    activation_bytes = 0
+    if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
+        model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
+            info.config.max_position_embeddings
+        shapes = StepShapes(info.config, arch, info.dtype, config.block_size, 2, config.max_num_seqs + 1, backend, tp)
+        activation_bytes = measure_activation_bytes(
+            shapes, config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
+            -(-model_len // config.block_size))
+        logger.info("activation peak of the largest step: %.2f GiB%s", activation_bytes / 2**30,
+                    "" if tp is None else " per device")
+    if tp is not None:
+        logger.info("tensor parallel %d: per device %.3f GiB of weights (%.3f GiB in all) and %d of %d KV "
+                    "head(s)%s", tp.size, weight_bytes / 2**30, info.weight_bytes / 2**30, local_cfg.num_kv_heads,
+                    info.config.num_kv_heads, "" if tp.kv_replicas == 1 else
+                    f" (each KV head repeated on {tp.kv_replicas} devices)")
+    # Penalty counts, logit bias and prompt / held-back token sets of every running request, on
+    # each device (sampling runs alike on all of them).
+    sampler_bytes = SamplerState.num_bytes(config.max_num_seqs + 1, info.config.vocab_size)
+    logger.info("sampler state: %d rows x %d tokens = %.1f MiB%s", config.max_num_seqs + 1,
+                info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
+    num_devices = 1 if tp is None else tp.size
+    plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
+                         num_devices=num_devices, sampler_state_bytes=sampler_bytes,
+                         pool_bytes=None if memory is None else memory.pool_bytes)
+    if cluster is not None and channel is not None:
+        # Every rank holds the same block ids: all take the smallest rank's plan.
+        blocks = [int(b) for b in channel.gather("kv_blocks", str(plan.num_blocks))]
+        if min(blocks) != plan.num_blocks:
+            plan = plan_kv_cache(local_cfg, replace(config, num_gpu_blocks_override=min(blocks)),
+                                 info.dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
+                                 num_devices=num_devices, sampler_state_bytes=sampler_bytes)
+        logger.info("multi-host: node rank %d of %d; KV cache of %d blocks on every rank (the smallest plan, "
+                    "node rank %d's; each planned %s)", cluster.rank, cluster.nnodes, plan.num_blocks,
+                    blocks.index(min(blocks)), blocks)
+    return plan, activation_bytes
+
+
+def _program_store(config: EngineConfig, cluster: Cluster | None) -> Path | None:
+    """Where step programs are stored (paxserve/worker/programs.py: loaded without tracing; JAX's
+    persistent cache would only hand back executables that cannot be stored)."""
+    if config.compilation_cache_dir == "":
+        return None
+    if cluster is not None:
+        # A program over several processes' devices is not one to serialize and reload as it is.
+        logger.info("multi-host: step programs are compiled at every start, not stored")
+        return None
+    return Path(config.compilation_cache_dir or cache_root() / "programs")
+
+
+def _async_scheduling(config: EngineConfig) -> bool:
+    platform = jax.devices()[0].platform
+    if config.async_scheduling is None:
+        on = platform != "cpu"
+        why = (f"the default on {platform}" if on else
+               "the default on CPU: its steps run on the host's own cores, so building the next step beside "
+               "one only makes them contend (measured 11% slower offline; benchmarks/RESULTS.md)")
+    else:
+        on, why = config.async_scheduling, "as asked"
+    logger.info("%s (%s)", "async scheduling: each step is built while the previous one runs on the device"
+                if on else "synchronous scheduling: each step runs to the end before the next", why)
+    return on
+
+
+def _warmup(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int) -> float:
+    """Make sure the decode step of every batch-size bucket and its sampler are ready now, not
+    during the first requests (loaded from what a previous start stored, nothing traced, or
+    compiled; with background compiles only the single-sequence one before ready). Other stored
+    programs load when first needed; other buckets compile then, or ahead of it in the background."""
+    start = time.perf_counter()
+    loaded, compiled, unloaded = runner.warmup(max_num_seqs, max_num_batched_tokens)
+    seconds = time.perf_counter() - start
+    # benchmarks/startup.py parses this line up to "compiled now".
+    logger.info("step programs ready in %.1fs: %d loaded from the program store, %d compiled now; "
+                "%d more stored programs found, left to load on first use", seconds, loaded, compiled, unloaded)
+    return seconds
