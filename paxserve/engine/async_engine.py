@@ -165,6 +165,7 @@ class AsyncEngine:
         self._step_thread.join(timeout=timeout)
         self._output_thread.join(timeout=timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.input_processor.close()
         with self._lock:
             open_streams = list(self._streams)
         for engine_id in open_streams:

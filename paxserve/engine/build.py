@@ -22,6 +22,7 @@ from paxserve.core.scheduler import Scheduler, SchedulerConfig
 from paxserve.distributed.cluster import Cluster, PlanChannel
 from paxserve.distributed.rendezvous import settings_digest
 from paxserve.engine.client import ServingLimits
+from paxserve.engine.chat_template.pool import RenderPool
 from paxserve.engine.engine_core import EngineCore
 from paxserve.engine.generation_config import GENERATION_CONFIG_MODES, resolve_sampling_defaults
 from paxserve.engine.input_processor import InputProcessor
@@ -144,8 +145,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     stats = StatsLogger(config.log_stats_interval)
     core = EngineCore(runner, kv, scheduler, model.config.vocab_size, stats,
                       async_scheduling=_async_scheduling(config), isolate_failed_steps=cluster is None)
+    # Chat templates render in killable processes (started on the first chat request): a template
+    # that runs past its limit is stopped whatever it does.
     input_processor = InputProcessor(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
-                                     plan.max_model_len, config.seed, sampling_defaults=sampling_defaults)
+                                     plan.max_model_len, config.seed, sampling_defaults=sampling_defaults,
+                                     renderer=RenderPool(num_workers=2))
     parts = EngineParts(config, cluster, channel, attention_backend, activation_bytes, plan, model, sampling_defaults,
                         max_num_batched_tokens, kv, scheduler, runner, stats, core, input_processor,
                         OutputProcessor(model.tokenizer))

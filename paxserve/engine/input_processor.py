@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from paxserve.core.interface import EngineCoreRequest
+from paxserve.engine.chat_template.pool import RenderPool
 from paxserve.engine.chat_template.template import RenderLimits, render_chat_template
 from paxserve.engine.generation_config import default_sampling_params
 from paxserve.engine.grammar import DEFAULT_COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler, GrammarError
@@ -45,12 +46,15 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], max_model_len: int,
                  seed: int, render_limits: RenderLimits | None = None,
                  sampling_defaults: Mapping[str, Any] | None = None,
-                 grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+                 grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, renderer: RenderPool | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.render_limits = render_limits or RenderLimits()
+        # Engines render in killable worker processes; without a pool (unit tests, tools) templates
+        # render in the calling thread under the sandbox's cooperative limits only.
+        self.renderer = renderer
         # The model's default sampling settings (--generation-config), SamplingParams' names.
         self.sampling_defaults = dict(sampling_defaults or {})
         self.default_max_tokens: int | None = self.sampling_defaults.get("max_tokens")
@@ -63,6 +67,11 @@ class InputProcessor:
         self.grammar_timeout_s = grammar_timeout_s
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the template workers (if any)."""
+        if self.renderer is not None:
+            self.renderer.close()
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the model's defaults, else paxserve's."""
@@ -100,6 +109,8 @@ class InputProcessor:
         kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                       tools=tools, special_tokens=special, template_kwargs=template_kwargs)
         try:
+            if self.renderer is not None:
+                return self.renderer.render(template, messages, **kwargs)
             return render_chat_template(template, messages, limits=self.render_limits, **kwargs)
         except ValueError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", param="messages") \
