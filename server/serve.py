@@ -116,7 +116,7 @@ def run_server(args: argparse.Namespace) -> int:
                 "on" if engine.config.enable_prefix_caching else "off")
     settings = build_settings(args, engine.model.source, chat_template)
     limits = transport_limits(args)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine.parts)
     try:
         code = asyncio.run(serve(async_engine, settings, args.host, args.port, limits, args.shutdown_timeout))
     except OSError as e:  # the port is taken, the host is not ours, ...

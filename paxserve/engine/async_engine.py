@@ -25,16 +25,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from paxserve.core.interface import EngineCoreRequest, EngineSnapshot
 from paxserve.engine.build import EngineParts
 from paxserve.engine.input_processor import Prompt
 from paxserve.outputs import RequestOutput
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
-
-if TYPE_CHECKING:
-    from paxserve.engine.llm_engine import Engine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,10 +95,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, parts: EngineParts | Engine, *, num_input_workers: int = 2,
-                 max_pending_tokens: int = 256) -> None:
-        """Serve `parts` (from `build_engine_parts`; an `Engine` hands over its own, and must not
-        be driven by its caller from then on)."""
+    def __init__(self, parts: EngineParts, *, num_input_workers: int = 2, max_pending_tokens: int = 256) -> None:
+        """Serve `parts` (from `build_engine_parts`, or an `Engine`'s `.parts`; an `Engine` itself is
+        taken for its parts, and its caller must not drive it from then on)."""
         if num_input_workers < 1:
             raise ValueError(f"AsyncEngine.num_input_workers={num_input_workers} must be >= 1")
         if max_pending_tokens < 1:

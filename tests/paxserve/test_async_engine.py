@@ -61,7 +61,7 @@ def serve(engine: Engine, body: Callable[[AsyncEngine], Awaitable[Any]], limit: 
     seconds); afterwards (threads stopped) end anything a failed test left in the engine, so later
     tests start clean."""
     async def main() -> Any:
-        aeng = AsyncEngine(engine, **kwargs)
+        aeng = AsyncEngine(engine.parts, **kwargs)
         try:
             return await asyncio.wait_for(body(aeng), limit)
         finally:

@@ -282,7 +282,7 @@ MIXED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "p
 
 def test_async_engine_streams_and_aborts_on_disconnect(engine: Engine) -> None:
     async def run() -> tuple[str, str]:
-        aeng = AsyncEngine(engine)
+        aeng = AsyncEngine(engine.parts)
         try:
             deltas, final = [], None
             delta = SamplingParams(temperature=0.0, max_tokens=8, output_kind=RequestOutputKind.DELTA)

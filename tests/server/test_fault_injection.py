@@ -90,7 +90,7 @@ class Faults:
 def live(tiny_dir: Path) -> Iterator[Live]:  # noqa: F811
     engine = Engine(str(tiny_dir), **TEST_ENGINE_ARGS)
     faults = Faults(engine)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine.parts)
     app = create_app(async_engine, ServerSettings(served_model_names=[MODEL]))
     with app_in_thread(app, lambda a: make_runner(a, TransportLimits())) as url:
         yield Live(url, engine, async_engine, faults)

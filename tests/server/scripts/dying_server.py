@@ -25,7 +25,7 @@ def main() -> int:
     engine = Engine(sys.argv[1], warmup=False, log_stats_interval=0, compilation_cache_dir="", max_model_len=256,
                     kv_cache_memory_bytes=64 * 2**20)
     engine.core.step = broken_step
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine.parts)
     try:
         return asyncio.run(serve(async_engine, ServerSettings(served_model_names=["tiny"]), "127.0.0.1",
                                  int(sys.argv[2])))
