@@ -12,8 +12,8 @@ import sys
 import time
 
 from paxserve.server import huge_pages
-from paxserve.server.reasoning import REASONING_PARSERS
-from paxserve.server.tool_parsers import TOOL_PARSERS
+from paxserve.server.parsers.reasoning import REASONING_PARSERS
+from paxserve.server.parsers.tool_calls import TOOL_PARSERS
 
 DESCRIPTION = "paxserve: a vLLM-class LLM serving engine on JAX (paged KV cache, continuous batching)."
 

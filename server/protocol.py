@@ -214,7 +214,7 @@ class ChatFields(_Body):
     continue_final_message: StrictBool = False
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None  # read by server/tools.py (tool_parsers.validate_tools), which names the field
+    tools: Any = None  # read by server/tools.py (parsers.tool_calls.validate_tools), which names the field
 
     @model_validator(mode="after")
     def _generation_prompt(self) -> "ChatFields":

@@ -19,9 +19,9 @@ from typing import Any
 
 from paxserve.server.errors import ProtocolError
 from paxserve.server.protocol import ChatCompletionRequest
-from paxserve.server.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
+from paxserve.server.parsers.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from paxserve.server.settings import ServerSettings
-from paxserve.server.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStream, ToolParser, get_tool_parser,
+from paxserve.server.parsers.tool_calls import (NamedToolParser, RequiredToolParser, ToolCallStream, ToolParser, get_tool_parser,
                                  named_tool_schema, required_tools_schema, validate_tool_choice, validate_tools)
 from paxserve.structured_outputs import StructuredOutputsParams
 

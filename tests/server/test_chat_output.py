@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from paxserve.engine.chat_template.template import render_chat_template
 from paxserve.server.errors import ProtocolError
 from paxserve.server.generation_spec import parse_chat_request
-from paxserve.server.reasoning import get_reasoning_parser
+from paxserve.server.parsers.reasoning import get_reasoning_parser
 from paxserve.server.settings import ServerSettings
-from paxserve.server.tool_parsers import get_tool_parser
+from paxserve.server.parsers.tool_calls import get_tool_parser
 from paxserve.server.tools import ChatOutputParsers
 
 TEXT = ('<think>The user wants weather.\nCall the tool.</think>\n\nLet me check.<tool_call>\n'

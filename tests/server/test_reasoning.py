@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paxserve.server.reasoning import REASONING_PARSERS, get_reasoning_parser
+from paxserve.server.parsers.reasoning import REASONING_PARSERS, get_reasoning_parser
 
 # Outputs built from pieces that stress the tags: whole tags, partial tags, newlines.
 PIECES = st.sampled_from(["<think>", "</think>", "<thi", "</th", "<", ">", "\n", "\n\n", "think", "ok ", "é😀"])

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paxserve.server.tool_parsers import (TOOL_PARSERS, ExtractedToolCalls, NamedToolParser, RequiredToolParser,
+from paxserve.server.parsers.tool_calls import (TOOL_PARSERS, ExtractedToolCalls, NamedToolParser, RequiredToolParser,
                                  StreamDelta, ToolParser, assemble, get_tool_parser, named_tool_schema,
                                  required_tools_schema, validate_tool_choice, validate_tools)
 

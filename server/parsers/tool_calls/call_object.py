@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from paxserve.server.tool_parsers.calls import CallSink, PartialCall
-from paxserve.server.tool_parsers.json_scan import MalformedCall, ValueScanner, skip_whitespace
+from paxserve.server.parsers.tool_calls.calls import CallSink, PartialCall
+from paxserve.server.parsers.tool_calls.json_scan import MalformedCall, ValueScanner, skip_whitespace
 
 # Hermes and Mistral write "arguments", Llama 3 and vLLM's tool_choice="required" "parameters".
 ARGUMENT_KEYS = ("arguments", "parameters")

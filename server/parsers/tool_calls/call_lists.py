@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paxserve.server.tool_parsers.call_object import CallObject
-from paxserve.server.tool_parsers.calls import CallSink
-from paxserve.server.tool_parsers.json_scan import MalformedCall, skip_whitespace
+from paxserve.server.parsers.tool_calls.call_object import CallObject
+from paxserve.server.parsers.tool_calls.calls import CallSink
+from paxserve.server.parsers.tool_calls.json_scan import MalformedCall, skip_whitespace
 
 
 @dataclass(slots=True)

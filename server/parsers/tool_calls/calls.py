@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from paxserve.server.tool_parsers.base import ToolCallDelta, default_call_id
+from paxserve.server.parsers.tool_calls.base import ToolCallDelta, default_call_id
 
 
 @dataclass(slots=True)

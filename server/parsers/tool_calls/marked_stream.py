@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from paxserve.server.tool_parsers.base import StreamDelta, ToolCallStream, default_call_id
-from paxserve.server.tool_parsers.calls import CallBody, CallSink
-from paxserve.server.tool_parsers.json_scan import MalformedCall, skip_whitespace
-from paxserve.server.tool_parsers.text import ContentGate, partial_marker_len
+from paxserve.server.parsers.tool_calls.base import StreamDelta, ToolCallStream, default_call_id
+from paxserve.server.parsers.tool_calls.calls import CallBody, CallSink
+from paxserve.server.parsers.tool_calls.json_scan import MalformedCall, skip_whitespace
+from paxserve.server.parsers.tool_calls.text import ContentGate, partial_marker_len
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paxserve.server.tool_parsers.base import (ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream,
+from paxserve.server.parsers.tool_calls.base import (ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream,
                                       ToolParser, default_call_id)
-from paxserve.server.tool_parsers.call_lists import CallArray
-from paxserve.server.tool_parsers.marked_stream import CallFormat, MarkedCallStream
+from paxserve.server.parsers.tool_calls.call_lists import CallArray
+from paxserve.server.parsers.tool_calls.marked_stream import CallFormat, MarkedCallStream
 
 
 @dataclass(slots=True)

@@ -11,13 +11,13 @@ output of schema-guided generation for a forced tool_choice (schemas.py builds t
 
 from __future__ import annotations
 
-from paxserve.server.tool_parsers.base import (ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream,
+from paxserve.server.parsers.tool_calls.base import (ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream,
                                       ToolParser, assemble)
-from paxserve.server.tool_parsers.guided import NamedToolParser, RequiredToolParser
-from paxserve.server.tool_parsers.hermes import HermesToolParser
-from paxserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
-from paxserve.server.tool_parsers.mistral import MistralToolParser
-from paxserve.server.tool_parsers.schemas import (named_tool_schema, required_tools_schema, validate_tool_choice,
+from paxserve.server.parsers.tool_calls.guided import NamedToolParser, RequiredToolParser
+from paxserve.server.parsers.tool_calls.hermes import HermesToolParser
+from paxserve.server.parsers.tool_calls.llama3_json import Llama3JsonToolParser
+from paxserve.server.parsers.tool_calls.mistral import MistralToolParser
+from paxserve.server.parsers.tool_calls.schemas import (named_tool_schema, required_tools_schema, validate_tool_choice,
                                          validate_tools)
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

@@ -11,9 +11,9 @@ which reads the same.
 
 from __future__ import annotations
 
-from paxserve.server.tool_parsers.base import ToolCallStream, ToolParser
-from paxserve.server.tool_parsers.call_lists import CallSequence
-from paxserve.server.tool_parsers.marked_stream import CallFormat, MarkedCallStream
+from paxserve.server.parsers.tool_calls.base import ToolCallStream, ToolParser
+from paxserve.server.parsers.tool_calls.call_lists import CallSequence
+from paxserve.server.parsers.tool_calls.marked_stream import CallFormat, MarkedCallStream
 
 LLAMA3_JSON_FORMAT = CallFormat(new_body=CallSequence, prefix="<|python_tag|>")
 

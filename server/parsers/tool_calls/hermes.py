@@ -11,9 +11,9 @@ ordinary added token in these tokenizers, so it survives decoding with special t
 
 from __future__ import annotations
 
-from paxserve.server.tool_parsers.base import ToolCallStream, ToolParser
-from paxserve.server.tool_parsers.call_object import CallObject
-from paxserve.server.tool_parsers.marked_stream import CallFormat, MarkedCallStream
+from paxserve.server.parsers.tool_calls.base import ToolCallStream, ToolParser
+from paxserve.server.parsers.tool_calls.call_object import CallObject
+from paxserve.server.parsers.tool_calls.marked_stream import CallFormat, MarkedCallStream
 
 HERMES_FORMAT = CallFormat(new_body=CallObject, opener="<tool_call>", closer="</tool_call>")
 

@@ -15,12 +15,12 @@ import re
 from dataclasses import dataclass, field
 from uuid import uuid4
 
-from paxserve.server.tool_parsers.base import ToolCallStream, ToolParser
-from paxserve.server.tool_parsers.call_lists import CallArray
-from paxserve.server.tool_parsers.calls import CallSink, PartialCall
-from paxserve.server.tool_parsers.json_scan import MalformedCall, ValueScanner, skip_whitespace
-from paxserve.server.tool_parsers.marked_stream import CallFormat, MarkedCallStream
-from paxserve.server.tool_parsers.text import partial_marker_len
+from paxserve.server.parsers.tool_calls.base import ToolCallStream, ToolParser
+from paxserve.server.parsers.tool_calls.call_lists import CallArray
+from paxserve.server.parsers.tool_calls.calls import CallSink, PartialCall
+from paxserve.server.parsers.tool_calls.json_scan import MalformedCall, ValueScanner, skip_whitespace
+from paxserve.server.parsers.tool_calls.marked_stream import CallFormat, MarkedCallStream
+from paxserve.server.parsers.tool_calls.text import partial_marker_len
 
 ARGS_MARKER = "[ARGS]"
 _NAME = re.compile(r"[A-Za-z0-9_.-]*")
