@@ -138,7 +138,7 @@ def test_cpu_defaults_to_synchronous_scheduling_and_says_why(tiny_dir: Path, cap
     """On CPU the "device" is the host's own cores: overlapping only makes them contend (measured
     slower), so the default there is synchronous; the log says so and why."""
     args = {k: v for k, v in TEST_ENGINE_ARGS.items() if k != "async_scheduling"}
-    with caplog.at_level(logging.INFO, logger="paxserve.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="paxserve.engine.build"):
         engine = Engine(str(tiny_dir), **args)
     assert engine.core.async_scheduling is False
     assert "synchronous scheduling" in caplog.text and "contend" in caplog.text
