@@ -153,7 +153,7 @@ def run(rows: Rows, backend: str, smoke: bool, lock: Path | None, peers: int = 1
     import jax
     import numpy as np
 
-    import paxserve.engine.llm_engine as engine_module
+    import paxserve.engine.build as engine_module  # where the engine is built (and its weights loaded)
     from paxserve import Engine
 
     config = TINY if smoke else LLAMA3_8B
