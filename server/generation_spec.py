@@ -57,12 +57,18 @@ class GenerationSpec:
 
     def renames(self) -> dict[str, str]:
         """Engine field names -> the names this request's client used."""
-        names = {"max_tokens": self.max_tokens_param, "prompt": self.prompt_param}
-        if self.kind == "chat":
-            names["logprobs"] = "top_logprobs"
-        if self.structured_param is not None:
-            names["structured_outputs"] = self.structured_param
-        return names
+        return field_renames(self.kind, self.max_tokens_param, self.structured_param)
+
+
+def field_renames(kind: str, max_tokens_param: str, structured_param: str | None = None) -> dict[str, str]:
+    """Engine field names -> a request's own (max_tokens -> max_completion_tokens, prompt -> messages,
+    chat's logprobs -> top_logprobs, structured_outputs -> the field the constraint came from)."""
+    names = {"max_tokens": max_tokens_param, "prompt": "messages" if kind == "chat" else "prompt"}
+    if kind == "chat":
+        names["logprobs"] = "top_logprobs"
+    if structured_param is not None:
+        names["structured_outputs"] = structured_param
+    return names
 
 
 def check_model(model: str | None, settings: ServerSettings) -> str:
@@ -158,8 +164,8 @@ def completion_spec(req: CompletionRequest, settings: ServerSettings) -> Generat
     if echo and req.logprobs is not None:  # OpenAI: the echoed prompt's tokens come with their logprobs too
         prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
     params = _sampling_params(req, settings, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
-                              max_tokens=max_tokens, renames={"max_tokens": max_name}, structured=structured,
-                              skip_special_tokens=req.skip_special_tokens is not False)
+                              max_tokens=max_tokens, renames=field_renames("completion", max_name),
+                              structured=structured, skip_special_tokens=req.skip_special_tokens is not False)
     spec = GenerationSpec("completion", model, params, prompts=req.prompt_list(), echo=echo, logprobs=req.logprobs,
                           cache_salt=req.cache_salt, structured_param=structured_param, max_tokens_param=max_name)
     return _stream_flags(req, spec)
@@ -182,7 +188,7 @@ def chat_spec(req: ChatCompletionRequest, settings: ServerSettings) -> Generatio
     keep_special = tool_spec.parser is not None and tool_spec.parser.keep_special_tokens
     params = _sampling_params(req, settings, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
                               max_tokens=req.max_tokens_value,
-                              renames={"logprobs": "top_logprobs", "max_tokens": max_name}, structured=structured,
+                              renames=field_renames("chat", max_name), structured=structured,
                               skip_special_tokens=req.skip_special_tokens is not False and not keep_special)
     spec = GenerationSpec("chat", model, params, messages=messages, logprobs=logprobs, cache_salt=req.cache_salt,
                           max_tokens_param=max_name, structured_param=structured_param,
