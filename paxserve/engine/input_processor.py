@@ -51,10 +51,14 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.render_limits = render_limits or RenderLimits()
         # Engines render in killable worker processes; without a pool (unit tests, tools) templates
-        # render in the calling thread under the sandbox's cooperative limits only.
+        # render in the calling thread under the sandbox's cooperative limits only. One budget
+        # either way: a pool brings its own.
+        if renderer is not None and render_limits is not None and render_limits != renderer.limits:
+            raise ValueError("InputProcessor: render_limits differ from the renderer's; give the limits to the "
+                             "RenderPool")
         self.renderer = renderer
+        self.render_limits = renderer.limits if renderer is not None else render_limits or RenderLimits()
         # The model's default sampling settings (--generation-config), SamplingParams' names.
         self.sampling_defaults = dict(sampling_defaults or {})
         self.default_max_tokens: int | None = self.sampling_defaults.get("max_tokens")
