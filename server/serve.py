@@ -118,6 +118,7 @@ def run_server(args: argparse.Namespace) -> int:
     limits = transport_limits(args)
     async_engine = AsyncEngine(engine.parts)
     try:
+        async_engine.input_processor.start()
         code = asyncio.run(serve(async_engine, settings, args.host, args.port, limits, args.shutdown_timeout))
     except OSError as e:  # the port is taken, the host is not ours, ...
         raise ValueError(f"cannot listen on {args.host or '0.0.0.0'}:{args.port}: {e}") from None

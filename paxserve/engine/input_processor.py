@@ -72,6 +72,12 @@ class InputProcessor:
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
 
+    def start(self) -> None:
+        """Start the template workers (if any) now rather than on the first chat request: a server
+        calls this before it listens, so no client waits for an interpreter to start."""
+        if self.renderer is not None:
+            self.renderer.start()
+
     def close(self) -> None:
         """Stop the template workers (if any)."""
         if self.renderer is not None:

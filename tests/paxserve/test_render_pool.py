@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from paxserve.engine.chat_template import pool as pool_module
 from paxserve.engine.chat_template.pool import KILL_GRACE_S, RenderPool
 from paxserve.engine.chat_template.template import ChatTemplateError, RenderLimits, render_chat_template
 
@@ -53,3 +54,21 @@ def test_a_render_over_the_memory_cap_fails_alone() -> None:
         assert pool.render("{{ messages|length }}", MESSAGES) == "2"
     finally:
         pool.close()
+
+
+def test_a_workers_start_up_never_counts_against_a_render_limit(monkeypatch) -> None:
+    """An interpreter takes longer to start (0.25 s here) than this limit and no grace is left: renders
+    on a cold pool and on a started one both succeed, because the clock starts once the worker has
+    said it is ready."""
+    monkeypatch.setattr(pool_module, "KILL_GRACE_S", 0.0)
+    limits = RenderLimits(timeout_s=0.1)
+    cold = RenderPool(num_workers=1, limits=limits)
+    started = RenderPool(num_workers=2, limits=limits)
+    try:
+        assert cold.render("{{ messages|length }}", MESSAGES) == "2"
+        started.start()
+        assert [started.render("{{ messages[0].role }}", MESSAGES) for _ in range(3)] == ["system"] * 3
+        assert cold.num_killed == started.num_killed == 0
+    finally:
+        cold.close()
+        started.close()

@@ -386,8 +386,9 @@ def test_storm_and_scrapes_during_compilation_on_a_fresh_server(fresh_server, se
     assert first_token > max(STORM_TIMEOUTS), f"first token after {first_token:.2f}s: nothing was compiling"
     resp = fresh_server.get("/metrics", auth=False)
     assert resp.status == 200 and f"{RUNNING}{{" in resp.text
-    # Same model, same greedy prompt: the shared server's reference text.
-    assert aborted(fresh_server) >= 5
+    # They reached the engine before their clients gave up (46 of 50 here): parsing, tokenizing and
+    # rendering (in workers started before the server listened) kept up with the storm.
+    assert aborted(fresh_server) >= 5, f"{aborted(fresh_server)} storm requests reached the engine"
 
 
 

@@ -6,8 +6,11 @@ a render's memory is the server's. Here each render runs in a worker process wit
 cap; a worker that has not answered by the time limit (plus a grace for the sandbox's own check to
 fire first) is killed and replaced, whatever it was doing, and only its request fails.
 
-Workers start on first use as fresh interpreters (never forked: the parent runs JAX's threads) and
-serve one render at a time; callers are input-worker threads, never the step loop.
+Workers are fresh interpreters (never forked: the parent runs JAX's threads) that serve one render
+at a time; callers are input-worker threads, never the step loop. A server starts them before it
+listens (`start`); elsewhere they start on first use. A worker counts as started once it has said
+it is ready, so its interpreter's start-up (seconds on a machine busy compiling) never counts
+against a render's time limit.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from paxserve.engine.chat_template.template import ChatTemplateError, RenderLimi
 
 logger = logging.getLogger(__name__)
 
+START_TIMEOUT_S = 60.0  # a worker's interpreter start and imports, on a loaded machine
 KILL_GRACE_S = 0.5  # the sandbox's own deadline check reports first, with a clearer message
 DEFAULT_MEMORY_LIMIT_BYTES = 2 * 2**30  # a worker's address space beyond what it had at start
 
@@ -42,8 +46,9 @@ def _limit_memory(extra_bytes: int) -> None:
 
 
 def serve(conn: Connection, limits: RenderLimits, memory_limit_bytes: int) -> None:
-    """A worker process: render what arrives until the pipe closes."""
+    """A worker process: say it is ready, then render what arrives until the pipe closes."""
     _limit_memory(memory_limit_bytes)
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             template, messages, kwargs = conn.recv()
@@ -78,6 +83,15 @@ class _Worker:
         self.process.stdin.close()
         self.process.stdout.close()
 
+    def wait_ready(self) -> None:
+        try:
+            if self.recv_conn.poll(START_TIMEOUT_S) and self.recv_conn.recv()[0] == "ready":
+                return
+        except (EOFError, OSError):
+            pass
+        self.kill()
+        raise ChatTemplateError(f"a chat-template renderer did not start within {START_TIMEOUT_S:g}s")
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(timeout=5)
@@ -101,17 +115,46 @@ class RenderPool:
         self._closed = False
         self.num_killed = 0
 
+    def start(self) -> None:
+        """Start every worker now and wait until all are ready (they start side by side)."""
+        with self._lock:
+            missing = self.num_workers - self._started
+            self._started = self.num_workers
+        workers = [_Worker(self.limits, self.memory_limit_bytes) for _ in range(missing)]
+        failed: ChatTemplateError | None = None
+        for worker in workers:
+            try:
+                worker.wait_ready()
+                self._give_back(worker)
+            except ChatTemplateError as e:
+                failed = e
+                self._give_back(None)
+        if failed is not None:
+            raise failed
+        logger.info("chat templates render in %d worker processes (%g s, %d MiB each, killed past their limits)",
+                    self.num_workers, self.limits.timeout_s, self.memory_limit_bytes // 2**20)
+
     def _take(self) -> _Worker:
         with self._lock:
             if self._closed:
                 raise ChatTemplateError("the chat-template renderer is shut down")
-            if self._started < self.num_workers:
-                try:
-                    return self._idle.get_nowait()
-                except queue.Empty:
+            try:
+                return self._idle.get_nowait()
+            except queue.Empty:
+                if self._started >= self.num_workers:
+                    worker = None
+                else:
                     self._started += 1
-                    return _Worker(self.limits, self.memory_limit_bytes)
-        return self._idle.get()
+                    worker = _Worker(self.limits, self.memory_limit_bytes)
+        if worker is None:
+            return self._idle.get()
+        try:  # outside the lock: others may start or take workers meanwhile
+            worker.wait_ready()
+        except ChatTemplateError:
+            with self._lock:
+                self._started -= 1
+            raise
+        return worker
 
     def _give_back(self, worker: _Worker | None) -> None:
         if worker is None:  # killed: its replacement starts on demand
