@@ -395,12 +395,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `paxserve` command. Given no `argv` it is this process's own command line, which an engine
-    command restarts once with huge pages for its large buffers (`paxserve.server.huge_pages`)."""
+    """The `paxserve` command (`argv`: this process's own command line when None)."""
     args = build_parser().parse_args(argv)
     runs_an_engine = args.command in ("serve", "generate")
-    if argv is None and runs_an_engine:
-        huge_pages.restart_with_huge_pages()
     # paxserve never uses torch; transformers' import-time advice that it is missing only confuses.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -50,22 +50,17 @@ def test_listening_line_is_logged_on_stderr(server) -> None:
         f"'paxserve listening on {server.url}' must be logged on stderr, it came on {server.listening_stream}"
 
 
-def test_server_restarts_itself_once_with_huge_pages_for_its_kv_cache(server) -> None:
-    """Where the kernel gives huge pages only to memory that asks (madvise), `paxserve serve` restarts
-    itself (same PID) with glibc's tunable so its KV cache faults in 2 MiB pages, and says so."""
+def test_server_runs_as_started_and_says_which_pages_its_kv_cache_gets(server) -> None:
+    """No restart with huge pages (they made start-up 3x slower here, benchmarks/RESULTS.md): the
+    environment is the one it was given, and the log says how to opt in."""
     from paxserve.server.huge_pages import thp_mode
 
     environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
-    tunables = [e.decode() for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
+    assert not [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
     log = server.stderr_text()
+    assert "memory: 4 KiB pages for host buffers" in log
     if thp_mode() == "madvise":
-        assert tunables == ["GLIBC_TUNABLES=glibc.malloc.hugetlb=1"], tunables
-        assert "large host buffers (the CPU KV cache) use transparent huge pages" in log
-        rollup = Path(f"/proc/{server.proc.pid}/smaps_rollup").read_text()
-        huge_kib = int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("AnonHugePages:")))
-        assert huge_kib >= 64 * 1024, f"only {huge_kib} KiB in huge pages"
-    else:
-        assert not tunables and "memory:" in log
+        assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 opts in to huge pages" in log
     assert log.count("paxserve listening on") == 1
 
 
