@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -41,8 +41,8 @@ def main() -> None:
             cached.append(run_once(args.model, cache))
     assert not any(r["from_cache"] for r in first) and all(r["from_cache"] for r in cached)
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
-    print(f"| load | load_model() median s | whole process median s | runs |")
-    print(f"|---|---|---|---|")
+    print("| load | load_model() median s | whole process median s | runs |")
+    print("|---|---|---|---|")
     print(f"| first (convert) | {med(first, 'load_seconds'):.2f} | {med(first, 'process_seconds'):.2f} | {args.runs} |")
     print(f"| cached | {med(cached, 'load_seconds'):.2f} | {med(cached, 'process_seconds'):.2f} | {args.runs} |")
     print(f"ratio first/cached (load_model): {med(first, 'load_seconds') / med(cached, 'load_seconds'):.1f}x")
