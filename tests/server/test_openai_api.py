@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 
-import openai
 import pytest
 
 from conftest import MAX_MODEL_LEN, MODEL_NAME, VOCAB_SIZE, assert_error, metric_value, sse_payloads
