@@ -7,6 +7,7 @@ so its result is cached on disk as one safetensors file, keyed by the file and t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import ml_dtypes
@@ -304,12 +305,57 @@ def _load_gguf(
         return arch.abstract_params(cfg, np_dtype)
 
     entry = _gguf_cache_entry(path, dtype, cache_dir)
-    if use_cache:
-        cached = _restore_cached(entry, abstract_of)
-        if cached is not None:
-            params, hf_config, tokenizer = cached
-            tp = _tensor_parallel(_model_spec(hf_config, dtype, "gguf")[0], tp_size, expert_parallel)
-            return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, True, tp
+    if not use_cache:
+        params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel)
+        return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
+    cached = _restore_cached(entry, abstract_of)
+    if cached is None:
+        # Replicas starting together would each spend the whole conversion on the same file: the
+        # first converts, the others wait for its entry and read it.
+        with _converting(entry, path):
+            cached = _restore_cached(entry, abstract_of)
+            if cached is None:
+                params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel)
+                _save_cached(entry, params, hf_config, tokenizer)
+                return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
+    params, hf_config, tokenizer = cached
+    tp = _tensor_parallel(_model_spec(hf_config, dtype, "gguf")[0], tp_size, expert_parallel)
+    return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, True, tp
+
+
+@contextlib.contextmanager
+def _converting(entry: Path, path: Path) -> Iterator[None]:
+    """Hold the conversion lock of a cache entry (an advisory file lock beside the entries; none
+    where the platform has no `fcntl`)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock_path = entry.parent.with_name("params.locks") / entry.name
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "a")  # noqa: SIM115 - held across the yield
+    except OSError as e:  # a read-only cache: convert unlocked (and the entry's write warns)
+        logger.debug("no conversion lock at %s: %s", lock_path, e)
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is converting %s: waiting for its param cache entry", path.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _convert_gguf(path: Path, dtype: str, tp_size: int, expert_parallel: bool
+                  ) -> tuple[Any, dict[str, Any], Any, TensorParallel | None]:
+    """(params in the whole model's layout, on the host when they are to be split; hf_config;
+    tokenizer; the split or None)."""
     gguf_file = GGUFCheckpoint(path)
     hf_config = gguf_file.hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
@@ -317,10 +363,7 @@ def _load_gguf(
     ckpt = _as_laid_out(gguf_file, arch)
     check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
     params = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}", None if tp is None else _keep_on_host)
-    tokenizer = tokenizer_from_gguf(gguf_file)
-    if use_cache:
-        _save_cached(entry, params, hf_config, tokenizer)
-    return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
+    return params, hf_config, tokenizer_from_gguf(gguf_file), tp
 
 
 @dataclass(frozen=True, slots=True)

@@ -291,6 +291,33 @@ def test_param_cache_entries_appear_whole_when_written_twice_or_over_a_damaged_o
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_loads_of_one_file_at_once_convert_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two loads of the same file at once (replicas, or test workers, starting together): one
+    converts, the other waits for its cache entry and reads it."""
+    import threading
+    import time
+
+    from paxserve.models import loader
+
+    path = _convert(_random_model("qwen2", **CASES["qwen2"]), "qwen2", tmp_path / "tiny-qwen2.gguf")
+    convert, calls = loader._convert_gguf, []
+
+    def slow_convert(*args: Any) -> Any:
+        calls.append(args)
+        time.sleep(1.0)  # long enough for the other load to arrive meanwhile
+        return convert(*args)
+
+    monkeypatch.setattr(loader, "_convert_gguf", slow_convert)
+    results: list[bool] = []
+    loads = [threading.Thread(target=lambda: results.append(loader._load_gguf(path, "float32", tmp_path / "c", True)[3]))
+             for _ in range(2)]
+    for t in loads:
+        t.start()
+    for t in loads:
+        t.join(timeout=120)
+    assert len(calls) == 1 and sorted(results) == [False, True]
+
+
 def test_param_cache_file_keeps_every_dtype_and_refuses_another_model(tmp_path: Path) -> None:
     """The cache file holds bfloat16 (which safetensors' numpy side lacks) bit for bit, and reading it
     for a model whose params differ in shape fails instead of handing back wrong weights."""
