@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check on one H200 in about 5 minutes (see benchmarks/gpu_check.py for the parts and the
+# The GPU check on one H200 in about 7 minutes (see benchmarks/gpu_check.py for the parts and the
 # time each is expected to take). Results go to $OUT (the device tool's folder that comes back) or
 # to a new temporary folder: rows.jsonl as they are measured, gpu_check.log, summary.md.
 #
@@ -26,4 +26,4 @@ if [[ " $* " != *" --smoke "* ]]; then
     || echo "nvidia-smi: not available"
 fi
 # The orchestrator keeps its own budget and kills each part at its limit; this is the backstop.
-exec timeout --signal=INT --kill-after=20 "${GPU_CHECK_HARD_LIMIT:-420}" "$PYTHON" benchmarks/gpu_check.py "$@"
+exec timeout --signal=INT --kill-after=20 "${GPU_CHECK_HARD_LIMIT:-480}" "$PYTHON" benchmarks/gpu_check.py "$@"

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after the checkout of gpu_check.sh
 
 from paxserve.models.layers import mlp  # noqa: E402
 from paxserve.models.moe import MoEParams, moe_mlp, route  # noqa: E402
