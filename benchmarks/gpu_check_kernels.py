@@ -203,7 +203,7 @@ def part_case(rows: Rows, smoke: bool, name: str) -> int:
         mosaic_ragged_paged_attention,
         supports_mosaic_attention,
     )
-    from paxserve.kernels.paged_attention import (
+    from paxserve.kernels.decode_attention import (
         PagedDecodeAttentionConfig,
         paged_decode_attention,
         paged_decode_attention_reference,
@@ -270,7 +270,7 @@ def part_timing(rows: Rows, smoke: bool, family: str) -> int:
 
     from paxserve.kernels.metadata import AttentionMetadata
     from paxserve.kernels.mosaic_attention import mosaic_paged_decode_attention, mosaic_ragged_paged_attention
-    from paxserve.kernels.paged_attention import decode_metadata, paged_decode_attention
+    from paxserve.kernels.decode_attention import decode_metadata, paged_decode_attention
     from paxserve.kernels.reference import ragged_paged_attention_reference
     from paxserve.kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -291,13 +291,13 @@ def part_timing(rows: Rows, smoke: bool, family: str) -> int:
             return [("mosaic ragged", jax.jit(lambda q, k, v: mosaic_ragged_paged_attention(
                         q, k, v, 0, md, sm_scale=scale, interpret=interpret)), True),
                     ("mosaic decode-only", jax.jit(lambda q, k, v: mosaic_paged_decode_attention(
-                        q, k, v, 0, tables, lens, sm_scale=scale, interpret=interpret)), False)]
+                        q, k, v, 0, tables, lens, sm_scale=scale, interpret=interpret)), True)]
         if family == "triton":
             found = [("triton ragged", jax.jit(lambda q, k, v: ragged_paged_attention(
                          q, k, v, 0, md, sm_scale=scale, interpret=interpret)), True)]
             if tables is not None:
                 found.append(("triton decode-only", jax.jit(lambda q, k, v: paged_decode_attention(
-                    q, k, v, 0, tables, lens, sm_scale=scale, interpret=interpret)), False))
+                    q, k, v, 0, tables, lens, sm_scale=scale, interpret=interpret)), True))
                 found.append(("jax pallas paged_attention", _jax_paged_attention(tables, lens, scale, interpret),
                               False))
             return found

@@ -5,7 +5,7 @@ from paxserve.kernels.kv_cache import KVCache
 from paxserve.kernels.metadata import NO_WINDOW, NULL_BLOCK, AttentionMetadata
 from paxserve.kernels.reference import ragged_paged_attention_reference, write_kv_reference
 from paxserve.kernels.ragged_paged_attention import RaggedPagedAttentionConfig, ragged_paged_attention
-from paxserve.kernels.paged_attention import PagedDecodeAttentionConfig, paged_decode_attention
+from paxserve.kernels.decode_attention import PagedDecodeAttentionConfig, paged_decode_attention
 from paxserve.kernels.mosaic_attention import (
     MosaicAttentionConfig,
     mosaic_paged_decode_attention,

@@ -1,11 +1,17 @@
-"""Attention backend dispatch: Mosaic GPU on Hopper, Triton on older GPUs, the XLA reference elsewhere.
+"""Attention backend dispatch: the Pallas kernels on GPUs (Triton first, then Mosaic GPU), the XLA
+reference elsewhere; a pure-decode step's program takes the decode-only kernel of the same family.
 
 The choice is a static, hashable `AttentionBackend` that the model's jitted forward takes as a
 static argument (no globals, no environment variables). `resolve_attention_backend` turns the
 engine option ("auto", "mosaic", "triton", "reference"; "pallas" is the earlier name of "triton")
 into one, from the platform, the GPU's compute capability and the model's shapes; on a GPU it runs
-the chosen kernel once against the reference first (`self_check.py`) and falls back (Mosaic GPU to
-Triton to the reference) if a kernel fails to compile or disagrees.
+the chosen kernel once against the reference first (`self_check.py`) and falls back (Triton to Mosaic
+GPU to the reference) if a kernel fails to compile or disagrees.
+
+Why Triton before Mosaic GPU on Hopper, and why a decode-only kernel: on one H200 (JAX 0.11.2,
+benchmarks/RESULTS.md, "First GPU contact") the Triton ragged kernel took 0.55-0.8x the Mosaic
+GPU one's time at every measured shape, and each family's decode-only kernel 0.25-0.8x its ragged
+kernel's on pure-decode batches. Mosaic GPU stays the fallback: JAX 0.11 deprecates Pallas-Triton.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -22,9 +28,11 @@ from paxserve.kernels.attention_args import Window
 from paxserve.kernels.metadata import AttentionMetadata
 from paxserve.kernels.mosaic_attention import (
     MosaicAttentionConfig,
+    mosaic_paged_decode_attention,
     mosaic_ragged_paged_attention,
     supports_mosaic_attention,
 )
+from paxserve.kernels.decode_attention import PagedDecodeAttentionConfig, paged_decode_attention
 from paxserve.kernels.reference import ragged_paged_attention_reference
 from paxserve.kernels.ragged_paged_attention import (
     RaggedPagedAttentionConfig,
@@ -50,18 +58,43 @@ class AttentionBackend:
       "pallas", its earlier name, is accepted and stored as "triton") or "reference" (pure jnp / XLA).
     interpret: run the kernel in its interpret mode on a CPU (tests; slow). Mosaic GPU's needs
       JAX >= 0.11.2.
-    config, mosaic_config: the Triton and the Mosaic GPU kernel's tuning knobs.
+    config, mosaic_config, decode_config: the Triton ragged, the Mosaic GPU and the Triton
+      decode-only kernel's tuning knobs.
+    decode_kernel: the engine compiles pure-decode steps as their own programs, which run the
+      family's decode-only kernel (False when that kernel failed its start-up self-check; never
+      for the reference, whose decode steps are ragged steps like any other).
+    pure_decode: this program is a pure-decode step: every sequence has exactly one query token,
+      token s belongs to sequence s, and tokens past the sequences are padding (the engine sets it
+      on its "decode" programs only; `attention` then calls the decode-only kernel).
     """
 
     name: str = "reference"
     interpret: bool = False
     config: RaggedPagedAttentionConfig = field(default_factory=RaggedPagedAttentionConfig)
     mosaic_config: MosaicAttentionConfig = field(default_factory=MosaicAttentionConfig)
+    decode_config: PagedDecodeAttentionConfig = field(default_factory=PagedDecodeAttentionConfig)
+    decode_kernel: bool = True
+    pure_decode: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", _ALIASES.get(self.name, self.name))
         if self.name not in (*_KERNELS, "reference"):
             raise ValueError(f"AttentionBackend.name must be 'mosaic', 'triton' or 'reference', got {self.name!r}")
+        if self.name == "reference":
+            object.__setattr__(self, "decode_kernel", False)
+        if self.pure_decode and not self.decode_kernel:
+            raise ValueError(f"AttentionBackend: pure_decode needs a decode kernel, and {self.name!r} has none here")
+
+
+    def describe(self) -> str:
+        """The choice in plain words, for the start-up log."""
+        if self.name == "reference":
+            return "the XLA reference (jnp gathers through the block table; no Pallas kernel)"
+        family = _LABEL[self.name].replace(" kernel", "")
+        mode = " in interpret mode" if self.interpret else ""
+        decode = (f"pure-decode steps on the {family} decode-only kernel" if self.decode_kernel
+                  else "pure-decode steps on the ragged kernel too")
+        return f"{family}{mode}: mixed steps on the ragged kernel, {decode}"
 
 
 REFERENCE = AttentionBackend("reference")
@@ -87,6 +120,9 @@ def attention(
     alibi_slopes: None or float32 [num_heads] (`alibi_slopes(num_heads)` gives Falcon's), added as
       `slope[h] * (key position - query position)` to q.k before `sm_scale`.
     """
+    if backend.pure_decode:
+        return _decode_step(q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, backend=backend,
+                            sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes)
     if backend.name == "mosaic":
         return mosaic_ragged_paged_attention(
             q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -101,6 +137,28 @@ def attention(
         q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         alibi_slopes=alibi_slopes,
     )
+
+
+def _decode_step(q: Float[Array, "T H D"], k_cache: Float[Array, "L N P K D"], v_cache: Float[Array, "L N P K D"],
+                 layer: Int[Array, ""] | int, metadata: AttentionMetadata, *, sm_scale: float,
+                 backend: AttentionBackend, sliding_window: Window, soft_cap: float | None,
+                 alibi_slopes: Float[Array, " H"] | None) -> Float[Array, "T H D"]:
+    """A pure-decode step on the decode-only kernel: token s is sequence s's one query token (its
+    position `context_lens[s] - 1`), so the first S rows of q are the kernel's queries; the padding
+    tokens past them (a token bucket larger than the sequence bucket) get zeros, as padding
+    sequences do."""
+    num_tokens, num_seqs = q.shape[0], metadata.context_lens.shape[0]
+    queries = q[:num_seqs] if num_tokens >= num_seqs else jnp.pad(q, ((0, num_seqs - num_tokens), (0, 0), (0, 0)))
+    args = (queries, k_cache, v_cache, layer, metadata.block_tables, metadata.context_lens)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                   interpret=backend.interpret)
+    if backend.name == "mosaic":
+        out = mosaic_paged_decode_attention(*args, config=backend.mosaic_config, **options)
+    else:
+        out = paged_decode_attention(*args, config=backend.decode_config, **options)
+    if num_tokens >= num_seqs:
+        return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
+    return out[:num_tokens]
 
 
 def supports(kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -139,10 +197,10 @@ def resolve_attention_backend(
 ) -> AttentionBackend:
     """The backend for an engine option on a platform (`jax.devices()[0].platform`).
 
-    "auto": on an NVIDIA GPU of compute capability 9.0 or more (`compute_capability`, e.g. "9.0"),
-      Mosaic GPU; on older NVIDIA GPUs (or an unknown capability) and ROCm, Triton. A kernel that does
-      not serve the model's shapes or fails its self-check hands over to the next (Mosaic GPU,
-      then Triton), and the XLA reference serves when none is left. The reference on a CPU.
+    "auto": on an NVIDIA GPU, Triton, then (compute capability 9.0 or more, `compute_capability`,
+      e.g. "9.0") Mosaic GPU; on ROCm, Triton. A kernel that does not serve the model's shapes or
+      fails its self-check hands over to the next, and the XLA reference serves when none is left.
+      The reference on a CPU. (Triton first: it measured faster on an H200, see the module doc.)
     "mosaic", "triton" ("pallas"): that kernel, or a ValueError naming what it does not support or
       why it failed its self-check; on a CPU it can only run in interpret mode (slow, for tests),
       which is what it then does (Mosaic GPU's needs JAX >= 0.11.2).
@@ -168,7 +226,7 @@ def resolve_attention_backend(
         if not on_gpu:
             return REFERENCE
         hopper = platform.lower() != "rocm" and _is_hopper_or_newer(compute_capability)
-        candidates = ["mosaic", "triton"] if hopper else ["triton"]
+        candidates = ["triton", "mosaic"] if hopper else ["triton"]
         logger.info("attention: %s (compute capability %s): trying %s", platform, compute_capability or "unknown",
                     ", then ".join(_LABEL[c] for c in candidates))
     else:
@@ -197,7 +255,7 @@ def resolve_attention_backend(
         backend = AttentionBackend(kernel)
         failure = _run_self_check(self_check, backend, platform, shapes)
         if failure is None:
-            return backend
+            return _with_checked_decode_kernel(self_check, backend, platform, shapes)
         if option != "auto":
             raise ValueError(f"attention_backend={option!r}: the {_LABEL[kernel]} failed its start-up self-check "
                              f"on {platform} ({failure})")
@@ -207,9 +265,22 @@ def resolve_attention_backend(
     return REFERENCE
 
 
+def _with_checked_decode_kernel(self_check: Callable[..., str | None] | None, backend: AttentionBackend,
+                                platform: str, shapes: dict) -> AttentionBackend:
+    """`backend` with its decode-only kernel, when that kernel passes its own self-check on a
+    pure-decode batch; else without it (pure-decode steps then run the ragged kernel, as mixed ones do)."""
+    decode = replace(backend, pure_decode=True)
+    failure = _run_self_check(self_check, decode, platform, shapes)
+    if failure is None:
+        return backend
+    logger.warning("attention: the %s's decode-only kernel failed its start-up self-check on %s (%s); pure-decode "
+                   "steps run the ragged kernel", _LABEL[backend.name], platform, failure)
+    return replace(backend, decode_kernel=False)
+
+
 def _run_self_check(self_check: Callable[..., str | None] | None, backend: AttentionBackend, platform: str,
                     shapes: dict) -> str | None:
-    label = _LABEL[backend.name]
+    label = _LABEL[backend.name] + ("'s decode-only kernel" if backend.pure_decode else "")
     if self_check is None:
         logger.info("attention: using the %s on %s without a start-up self-check (none requested)", label, platform)
         return None

@@ -1,9 +1,9 @@
-"""Paged attention on Mosaic GPU (Hopper): the engine's ragged mixed step and a decode entry.
+"""Paged attention on Mosaic GPU (Hopper): the engine's ragged mixed step and its pure-decode step.
 
 Both entries cut the batch into *work units* with `jnp` inside the jit and run the one kernel of
 `mosaic_kernel.py` over (KV head, unit); their references are the XLA ones the tests compare with:
 `ragged_paged_attention_reference` (`reference.py`) and
-`paged_decode_attention_reference` (`paged_attention.py`).
+`paged_decode_attention_reference` (`decode_attention.py`).
 
 * Query packing: each unit's rows (token x head of a KV group, see `mosaic_kernel.py`) are gathered
   into a dense `[num_kv_heads, units, rows, head_dim]` array, so one TMA copy loads a unit's query.
@@ -46,7 +46,7 @@ from paxserve.kernels.mosaic_kernel import (
     launch_units,
     smem_bytes,
 )
-from paxserve.kernels.paged_attention import combine_splits
+from paxserve.kernels.decode_attention import combine_splits
 
 __all__ = ["MosaicAttentionConfig", "mosaic_paged_decode_attention", "mosaic_ragged_paged_attention",
            "supports_mosaic_attention"]

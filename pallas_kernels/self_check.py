@@ -6,7 +6,9 @@ The batch has the model's head counts, head_dim, block size and dtype, and cover
 step does: a prompt chunk from position 0, a chunk on top of cached context, decode tokens (one at
 a block boundary, one whose context spans several key steps), a padding sequence and padding
 tokens, pages in random order, and every unused page (and the null block) full of NaN. A model
-with a sliding window or ALiBi has the batch checked on those variants too.
+with a sliding window or ALiBi has the batch checked on those variants too. A backend marked
+`pure_decode` (the engine's decode programs) is checked on a pure-decode batch of the same kind:
+one token per sequence, contexts at and across block and key-step boundaries, padding.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"
 
 
-def _problem(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int):
+def _problem(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int, decode: bool = False):
     """Numpy float32 q, K/V caches (NaN outside the sequences' contexts) and int32 metadata arrays,
     laid out as `paxserve.worker.step_inputs.build_batch` does (pallas_kernels does not import the engine)."""
     rng = np.random.default_rng(seed)
@@ -66,6 +68,8 @@ def _problem(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
         (64 + bs + 2, 1, 0),  # decode: context longer than one key step of the kernel
         (0, 1, 0),  # a one-token prompt
     ]
+    if decode:  # one token each: the first S query rows are the sequences' (the rest padding)
+        seqs = [(2 * bs, 1, 1), (bs - 1, 1, 0), (64 + bs + 2, 1, 0), (0, 1, 0), (3 * 64 + 5, 1, 0)]
     num_tokens = sum(n for _, n, _ in seqs)
     t_pad = -(-(num_tokens + 1) // 16) * 16  # at least one padding token, like the engine's buckets
     s_pad = 8  # three padding sequences
@@ -150,7 +154,8 @@ def self_check_attention(
     exception of any kind, XLA runtime errors included, becomes the reason).
     """
     try:
-        q_np, k_np, v_np, md_np, n = _problem(num_heads, num_kv_heads, head_dim, block_size, seed)
+        q_np, k_np, v_np, md_np, n = _problem(num_heads, num_kv_heads, head_dim, block_size, seed,
+                                              decode=backend.pure_decode)
         dt = jnp.dtype(dtype)
         q, k_cache, v_cache = (jnp.asarray(x, dtype=dt) for x in (q_np, k_np, v_np))
         metadata = AttentionMetadata(*(jnp.asarray(x) for x in md_np))

@@ -121,7 +121,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
         dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
         compute_capability=getattr(jax.local_devices()[0], "compute_capability", None))
-    logger.info("attention backend: %s", attention_backend)
+    logger.info("attention: %s (%s)", attention_backend.describe(), attention_backend)
     plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster)
     # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU).
     kv_zeroing = zero_kv_cache(local_cfg, plan.num_blocks, config.block_size, info.dtype) if tp is None else None

@@ -3,7 +3,9 @@ persistent batch and the compiled step programs.
 
 Shapes are bucketed (tokens x sequences x block-table width: powers of two, on a CPU also three
 quarters of one for tokens and sequences), and those three are the only compile keys of the forward
-(the sampler's is the sequence bucket alone): every sampler feature is runtime data (see
+(with its kind: a pure-decode step, one token per sequence, is a "decode" program on the attention
+backend's decode-only kernel when it has one; the sampler's key is the sequence bucket alone): every
+sampler feature is runtime data (see
 `sampling.host_inputs`). Programs are compiled ahead of time and stored
 (`programs`); a step whose bucket is not compiled yet runs in a compiled bucket that covers it, if
 one costs at most `_COVER_COST` times as much, while its own compiles in the background; growing
@@ -42,7 +44,13 @@ from paxserve.worker.sampling.host_inputs import (
     unpack,
 )
 from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata, state_writes_args
-from paxserve.worker.step_functions import StepShapes, attention_metadata, jitted_logits, write_state_rows_step
+from paxserve.worker.step_functions import (
+    FORWARD_KINDS,
+    StepShapes,
+    attention_metadata,
+    jitted_logits,
+    write_state_rows_step,
+)
 from paxserve.worker.step_inputs import Batch, SeqChunk, bucket_size, bucket_sizes, build_batch, next_power_of_2
 
 logger = logging.getLogger(__name__)
@@ -113,6 +121,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.attention_backend = attention_backend  # static argument of every program
+        # Pure-decode steps get their own programs, on the backend's decode-only kernel.
+        self.decode_kind = "decode" if attention_backend.decode_kernel else "forward"
         # Buckets between powers of two (`bucket_size`) where a padded row costs its full share of the
         # step: on a CPU the step is compute-bound (measured in benchmarks/RESULTS.md). On a GPU a decode
         # step is bound by reading weights and KV, so padded rows cost little, and the Triton kernel
@@ -204,30 +214,40 @@ class ModelRunner:
                 min(next_power_of_2(widest), max(widest, self.max_blocks_per_seq)))
 
     def buckets(self, num_tokens: int, num_seqs: int, widest: int, kind: str = "forward") -> tuple[int, int, int]:
-        """The padded sizes a step runs at: its own bucket when that program is ready (or cannot be
-        had any other way: it is then compiled before the step runs), else the cheapest compiled one
-        that covers it within `_COVER_COST` while its own compiles in the background. Either way the
-        buckets a growing batch reaches next are then queued for the background."""
+        """The padded sizes a step runs at (`program`'s key without its kind)."""
+        return self.program(num_tokens, num_seqs, widest, kind)[1:]
+
+    def program(self, num_tokens: int, num_seqs: int, widest: int, kind: str = "forward") -> tuple[str, int, int, int]:
+        """The program a step runs: a pure-decode step (one token per sequence) asks for a "decode"
+        program when the backend has a decode-only kernel; its own bucket when that program is ready
+        (or cannot be had any other way: it is then compiled before the step runs), else the
+        cheapest compiled one that covers it within `_COVER_COST` (for a decode step, a plain
+        forward covers too) while its own compiles in the background. Either way the buckets a
+        growing batch reaches next are then queued for the background."""
+        if kind == "forward" and num_tokens == num_seqs:
+            kind = self.decode_kind
         exact = self.exact_buckets(num_tokens, num_seqs, widest)
         if (kind, *exact) in self.programs or not self.programs.background:
             self._prefetch(kind, exact, widest)
-            return exact
+            return (kind, *exact)
         t, s, b = exact
-        covers = [key[1:] for key in self.programs.keys() if key[0] == kind and key[1] >= t and key[2] >= s
+        kinds = (kind, "forward") if kind == "decode" else (kind,)
+        covers = [key for key in self.programs.keys() if key[0] in kinds and key[1] >= t and key[2] >= s
                   and key[3] >= b and key[1] * key[2] * key[3] <= _COVER_COST * t * s * b]
         if not covers:
             # Only its own program can serve this step: build it now, before the buckets that come
             # next are queued, so that no background compile slows this one down.
             self.programs.get((kind, *exact))
             self._prefetch(kind, exact, widest)
-            return exact
+            return (kind, *exact)
         self._prefetch(kind, exact, widest)
-        cover = min(covers, key=lambda k: k[0] * k[1] * k[2])
+        # The cheapest cover; of two the same size, the step's own kind.
+        cover = min(covers, key=lambda k: (k[1] * k[2] * k[3], k[0] != kind))
         # A decode bucket serves step after step: its own program is needed soon, unless the cover
-        # differs only in block width, which the growing contexts reach anyway (warm-up's wide
-        # single-sequence step serves a first answer's early widths this way). A prompt's step runs
-        # once, so its own bucket is a guess at the next prompt of that length.
-        self.programs.compile_later((kind, *exact), guess=t != s or cover[:2] == (t, s))
+        # is of its kind and differs only in block width, which the growing contexts reach anyway
+        # (warm-up's wide single-sequence step serves a first answer's early widths this way). A
+        # prompt's step runs once, so its own bucket is a guess at the next prompt of that length.
+        self.programs.compile_later((kind, *exact), guess=t != s or cover[:3] == (kind, t, s))
         return cover
 
     def _prefetch(self, kind: str, exact: tuple[int, int, int], widest: int) -> None:
@@ -236,7 +256,7 @@ class ModelRunner:
         next width of a decode step whose widest table is in the last quarter of its bucket is
         needed soon (its context grows every step); the rest are guesses, which wait for the steps
         to be quiet rather than slow them down."""
-        if kind != "forward" or not self.programs.background:
+        if kind not in ("forward", "decode") or not self.programs.background:
             return
         t, s, b = exact
         decode = t == s
@@ -259,7 +279,7 @@ class ModelRunner:
         self.programs.scan_store()
         loaded_before, compiled_before = self.programs.num_loaded, self.programs.num_compiled
         sizes = bucket_sizes(min(max_num_seqs, max_num_batched_tokens), self.fine_buckets)
-        keys = [key for s in sizes for key in (("forward", s, s, 1), ("sample", s))]
+        keys = [key for s in sizes for key in ((self.decode_kind, s, s, 1), ("sample", s))]
         if self.programs.background:
             # Only the single-sequence step is worth having before ready (the first request needs
             # it); a larger bucket that is stored loads on first use, and one that is not is covered
@@ -267,7 +287,7 @@ class ModelRunner:
             # prompt fits in one block (the template alone passes 16 tokens), and a first answer's
             # decode steps then run without waiting for a compile until its context passes 8 blocks.
             widths = sorted({min(w, self.max_blocks_per_seq) for w in _WARM_DECODE_WIDTHS})
-            now = [*(("forward", 1, 1, w) for w in widths), ("sample", 1)]
+            now = [*((self.decode_kind, 1, 1, w) for w in widths), ("sample", 1)]
         else:
             now = keys
         stored = [key for key in now if key in self.programs]  # loading first: it takes ms, not seconds
@@ -317,7 +337,15 @@ class ModelRunner:
         read on the device), constrained rows' bitmask words (plain data from the engine core) go
         into an all-ones bitmask. `complete_model` waits for the results."""
         kind = "forward" if prompt is None else "all_logits"
-        step = self.input_batch.prepare(out.scheduled, lambda t, s, b: self.buckets(t, s, b, kind))
+        chosen: list[tuple[str, int, int, int]] = []
+
+        def sizes(num_tokens: int, num_seqs: int, widest: int) -> tuple[int, int, int]:
+            chosen.append(self.program(num_tokens, num_seqs, widest, kind))
+            return chosen[-1][1:]
+
+        step = self.input_batch.prepare(out.scheduled, sizes)
+        if prompt is None:
+            step.batch.program = chosen[-1][0]
         if constrained is not None:
             step.sampling.allowed_token_bitmask = constrained.bitmask(step.batch.context_lens.shape[0])
         if prompt is not None:
@@ -340,7 +368,7 @@ class ModelRunner:
         return SamplingMetadata.from_inputs(sampling, self._all_allowed.get(s))
 
     def _run(self, key: tuple, *args: Any) -> Any:
-        if key[0] in ("forward", "all_logits") and key[1:] not in self.compiled:
+        if key[0] in FORWARD_KINDS and key[1:] not in self.compiled:
             self.compiled.add(key[1:])
             logger.info("first step in bucket %s (tokens, sequences, block width); %d buckets used so far",
                         key[1:], len(self.compiled))
@@ -375,7 +403,7 @@ class ModelRunner:
         self.tokens_run += t
         self.tokens_real += batch.num_tokens
         if prompt is None:
-            logits, self.kv_cache = self._run(("forward", t, s, b), *self._forward_args(batch))
+            logits, self.kv_cache = self._run((batch.program, t, s, b), *self._forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state)
             return DeviceStep(packed, batch.num_seqs, s, None)

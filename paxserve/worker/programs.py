@@ -17,7 +17,8 @@ growing context's next width) before guesses (warm-up's larger batches, the next
 a guess only while the steps are quiet (on a CPU they share the cores with the compiles), starts
 nothing while a step builds its own program, and runs at the lowest thread priority.
 
-Program kinds and keys: ("forward", T, S, B), ("all_logits", T, S, B) (prompt logprobs),
+Program kinds and keys: ("forward", T, S, B), ("decode", T, S, B) (a pure-decode step on the
+decode-only kernel), ("all_logits", T, S, B) (prompt logprobs),
 ("sample", S) and ("score", T, S). Lowering only ever sees abstract arguments (shapes, dtypes and
 placements), never the live params or caches, so a background compile cannot touch arrays the step
 loop is donating.
@@ -51,7 +52,7 @@ Spec = Callable[[Key], tuple[Callable[[], Any], tuple[Any, ...], Any]]
 
 # The packages whose source traces into the programs (the server's does not).
 _SOURCE_PACKAGES = ("paxserve", "paxserve.models", "paxserve.kernels")
-_KINDS = ("forward", "sample", "all_logits", "score")
+_KINDS = ("forward", "decode", "sample", "all_logits", "score")
 
 
 def _package_folder(name: str) -> Path:

@@ -1,8 +1,9 @@
 """The functions a model step runs on the device, jitted, and their abstract signatures.
 
 A step is two programs that hand each other the logits without leaving the device: the forward
-(compiled per (tokens, sequences, block-table width) bucket) and the sampler (per sequence bucket;
-every sampler feature is runtime data, see `sampling.host_inputs`). Batches that ask for prompt
+(compiled per (tokens, sequences, block-table width) bucket; a pure-decode step's forward, "decode",
+runs the attention backend's decode-only kernel) and the sampler (per sequence bucket; every
+sampler feature is runtime data, see `sampling.host_inputs`). Batches that ask for prompt
 logprobs run the forward with logits at every position and a sampler that also scores those
 positions. `StepShapes` gives each program's arguments as abstract shapes (with their placements
 under tensor parallelism), which is all that compiling one ahead of time needs (`programs`).
@@ -11,7 +12,7 @@ under tensor parallelism), which is all that compiling one ahead of time needs (
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any, Callable
 
@@ -37,6 +38,9 @@ from paxserve.worker.step_inputs import Batch
 logger = logging.getLogger(__name__)
 
 STATIC = ("cfg", "attention_backend", "tp")
+# The model programs, keyed (kind, tokens, sequences, block width): a plain step, a pure-decode step
+# (the backend's decode-only kernel) and a step with logits at every position (prompt logprobs).
+FORWARD_KINDS = ("forward", "decode", "all_logits")
 
 
 def _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
@@ -173,24 +177,25 @@ class StepShapes:
         backend."""
         tp = None if self.tp is None else (self.tp.size, self.tp.expert_parallel)
         common = f"{self.cfg!r}|{self.dtype}|{tp!r}|{kind}"
-        if kind in ("forward", "all_logits"):
+        if kind in FORWARD_KINDS:
             return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"
 
-    def statics(self) -> dict[str, Any]:
-        return dict(cfg=self.cfg, attention_backend=self.attention_backend, tp=self.tp)
+    def statics(self, kind: str = "forward") -> dict[str, Any]:
+        backend = replace(self.attention_backend, pure_decode=True) if kind == "decode" else self.attention_backend
+        return dict(cfg=self.cfg, attention_backend=backend, tp=self.tp)
 
     def spec(self, key: tuple[Any, ...]) -> tuple[Callable[[], Any], tuple[Any, ...], Any]:
         """(lower, arguments, example output) of the program `key` names (see `programs`)."""
         kind, *sizes = key
         vocab = self.cfg.vocab_size
-        if kind in ("forward", "all_logits"):
+        if kind in FORWARD_KINDS:
             t, s, b = sizes
             args = self.forward_args(t, s, b)
-            fn = jitted_logits if kind == "forward" else jitted_all_logits
-            rows = s if kind == "forward" else t
+            fn = jitted_all_logits if kind == "all_logits" else jitted_logits
+            rows = t if kind == "all_logits" else s
             out = (_shape((rows, vocab), jnp.float32, self._replicated), args[1])
-            return (lambda: fn(self.architecture.forward).lower(*args, **self.statics())), args, out
+            return (lambda: fn(self.architecture.forward).lower(*args, **self.statics(kind))), args, out
         if kind == "sample":
             (s,) = sizes
             args = (_shape((s, vocab), jnp.float32, self._replicated), self.sampling(s), self.sampler_state())

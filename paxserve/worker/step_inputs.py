@@ -52,6 +52,9 @@ class Batch:
     # [T]: the persistent-batch row whose last kept token (on the device) is this input token, or -1
     # where `input_ids` holds it: a step built before the previous one's results are back.
     token_source: np.ndarray | None = None
+    # The program kind that runs it: "forward", or "decode" for a pure-decode step (one token per
+    # sequence) when the attention backend has a decode-only kernel (the model runner decides).
+    program: str = "forward"
 
 
 def next_power_of_2(n: int, minimum: int = 1) -> int:

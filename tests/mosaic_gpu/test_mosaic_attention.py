@@ -24,7 +24,7 @@ from paxserve.kernels.mosaic_attention import (
     mosaic_paged_decode_attention,
     mosaic_ragged_paged_attention,
 )
-from paxserve.kernels.paged_attention import paged_decode_attention_reference
+from paxserve.kernels.decode_attention import paged_decode_attention_reference
 from tests.pallas_kernels.test_attention_variants import assert_close, dense_attention, random_slopes, written
 from tests.helpers import lower_for_cuda
 from tests.pallas_kernels.test_reference_attention import LAYER, Seq, make_case

@@ -66,6 +66,10 @@ def test_engine_on_mosaic_gives_the_reference_tokens(tmp_path: Path) -> None:
                         log_stats_interval=0, compilation_cache_dir="", attention_backend=backend)
         assert engine.attention_backend.name == backend
         outputs[backend] = [out.outputs[0] for out in engine.generate(prompts, params)]
+        # The last steps decode all three alone: on Mosaic GPU, as "decode" programs on its
+        # decode-only kernel (the mixed steps on the ragged one).
+        kinds = {key[0] for key in engine.runner.programs.keys()}
+        assert ("decode" in kinds) == (backend == "mosaic") and "forward" in kinds, kinds
     compared = 0
     for ref, ours in zip(outputs["reference"], outputs["mosaic"]):
         assert len(ours.token_ids) == len(ref.token_ids) == 6

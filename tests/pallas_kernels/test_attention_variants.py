@@ -21,7 +21,7 @@ import pytest
 
 import tests.pallas_kernels.test_reference_attention as ref_tests
 from paxserve.kernels import NO_WINDOW, REFERENCE, alibi_slopes, attention
-from paxserve.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from paxserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from paxserve.kernels.reference import ragged_paged_attention_reference
 from paxserve.kernels.ragged_paged_attention import _ragged_paged_attention, ragged_paged_attention
 from tests.pallas_kernels.test_reference_attention import LAYER, Case, Seq, make_case

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import paxserve.kernels.paged_attention  # noqa: F401 - the submodule must not shadow a package-level name
+import paxserve.kernels.decode_attention  # noqa: F401 - the submodule must not shadow a package-level name
 from paxserve import Engine, SamplingParams
 from paxserve.config import EngineConfig
 from paxserve.kernels import REFERENCE, AttentionBackend, resolve_attention_backend
@@ -47,9 +47,10 @@ def test_resolution_by_platform_and_shapes() -> None:
     assert resolve_attention_backend("triton", "gpu", **LLAMA8B_SHAPES, self_check=None) == AttentionBackend("triton")
 
 
-def test_auto_picks_mosaic_on_hopper_and_falls_back_in_order(caplog: pytest.LogCaptureFixture) -> None:
-    """Compute capability 9.0+ tries Mosaic GPU first; older GPUs and ROCm start at Triton; a kernel
-    failing its self-check hands over to the next, and the reference serves when none is left."""
+def test_auto_tries_triton_then_mosaic_on_hopper_and_falls_back_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    """On a GPU Triton comes first (it measured faster on an H200), then Mosaic GPU on compute
+    capability 9.0+; a kernel failing its self-check hands over to the next, and the reference
+    serves when none is left. Each kernel that passes has its decode-only kernel checked too."""
     mosaic, triton = AttentionBackend("mosaic"), AttentionBackend("triton")
     resolve = lambda platform, cc, check: resolve_attention_backend(  # noqa: E731
         "auto", platform, **LLAMA8B_SHAPES, self_check=check, compute_capability=cc)
@@ -57,29 +58,56 @@ def test_auto_picks_mosaic_on_hopper_and_falls_back_in_order(caplog: pytest.LogC
 
     def failing(*names: str):  # noqa: ANN202
         def check(backend: AttentionBackend, **shapes) -> str | None:  # noqa: ANN003
-            tried.append(backend.name)
-            return "wrong numbers" if backend.name in names else None
+            name = backend.name + (" decode" if backend.pure_decode else "")
+            tried.append(name)
+            return "wrong numbers" if name in names else None
         return check
 
-    assert resolve("gpu", "9.0", failing()) == mosaic and tried == ["mosaic"]
-    assert resolve("gpu", "10.0", failing()) == mosaic
+    assert resolve("gpu", "9.0", failing()) == triton and tried == ["triton", "triton decode"]
+    assert triton.decode_kernel and not REFERENCE.decode_kernel
     tried.clear()
-    assert resolve("gpu", "8.9", failing()) == triton and tried == ["triton"]
+    assert resolve("gpu", "8.9", failing("mosaic")) == triton and tried == ["triton", "triton decode"]
     assert resolve("gpu", None, failing()) == triton
     assert resolve("rocm", "9.0", failing()) == triton
     tried.clear()
     caplog.set_level(logging.INFO, logger="paxserve.kernels.dispatch")
-    assert resolve("gpu", "9.0", failing("mosaic")) == triton and tried == ["mosaic", "triton"]
-    assert any("Mosaic GPU kernel failed its start-up self-check on gpu (wrong numbers)" in r.getMessage()
+    assert resolve("gpu", "9.0", failing("triton")) == mosaic and tried == ["triton", "mosaic", "mosaic decode"]
+    assert resolve("gpu", "10.0", failing("triton")) == mosaic
+    assert any("Triton kernel failed its start-up self-check on gpu (wrong numbers)" in r.getMessage()
                for r in caplog.records)
+    assert resolve("gpu", "8.9", failing("triton")) == REFERENCE
     assert resolve("gpu", "9.0", failing("mosaic", "triton")) == REFERENCE
-    # Shapes Mosaic GPU does not serve (float32: wgmma takes 16-bit inputs) go straight to Triton.
+    # A decode-only kernel that fails its check costs only the decode programs: pure-decode steps
+    # then run the ragged kernel, which passed.
+    caplog.clear()
+    chosen = resolve("gpu", "9.0", failing("triton decode"))
+    assert chosen.name == "triton" and not chosen.decode_kernel
+    assert chosen.describe() == "Triton: mixed steps on the ragged kernel, pure-decode steps on the ragged kernel too"
+    assert triton.describe() == "Triton: mixed steps on the ragged kernel, pure-decode steps on the Triton decode-only kernel"
+    assert any("decode-only kernel failed its start-up self-check on gpu (wrong numbers); pure-decode steps run the "
+               "ragged kernel" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="pure_decode needs a decode kernel"):
+        AttentionBackend("reference", pure_decode=True)
+    # Shapes Mosaic GPU does not serve (float32: wgmma takes 16-bit inputs) are never tried on it.
     tried.clear()
     f32 = {**LLAMA8B_SHAPES, "dtype": jnp.float32}
-    assert resolve_attention_backend("auto", "gpu", **f32, self_check=failing(), compute_capability="9.0") == triton
+    assert resolve_attention_backend("auto", "gpu", **f32, self_check=failing("triton"),
+                                     compute_capability="9.0") == REFERENCE
     assert tried == ["triton"]
     with pytest.raises(ValueError, match="not bfloat16 or float16"):
         resolve_attention_backend("mosaic", "gpu", **f32, self_check=None)
+
+
+def test_the_decode_only_path_passes_the_self_check_in_interpret_mode() -> None:
+    """`attention` on a pure-decode program (token s is sequence s's, padding tokens past the
+    sequences) gives the reference's outputs through the Triton decode-only kernel: the self-check's
+    pure-decode batch, interpreted here (GQA 2 and MQA, a window, ALiBi)."""
+    from paxserve.kernels import self_check_attention
+
+    decode = AttentionBackend("triton", interpret=True, pure_decode=True)
+    shapes = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=jnp.float32)
+    assert self_check_attention(decode, **shapes, sliding_window=5, alibi=True) is None
+    assert self_check_attention(decode, **{**shapes, "num_kv_heads": 1}) is None
 
 
 def test_mosaic_on_cpu_needs_the_interpret_mode_of_jax_0_11_2() -> None:
@@ -161,4 +189,8 @@ def test_engine_generate_with_pallas_backend(tiny_dir: Path) -> None:
         engine = Engine(str(tiny_dir), attention_backend=option, **args)
         assert engine.attention_backend == (REFERENCE if option == "reference" else PALLAS_INTERPRET)
         outs[option] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        if option == "pallas":  # pure-decode steps ran on the decode-only kernel
+            assert any(key[0] == "decode" for key in engine.runner.programs.keys())
+        else:
+            assert all(key[0] != "decode" for key in engine.runner.programs.keys())
     assert outs["pallas"] == outs["reference"]

@@ -299,7 +299,7 @@ def test_float32_dots_ask_for_ieee_precision_not_tf32(decode_only: bool) -> None
     """Pallas' Triton lowering runs a float32 dot with DEFAULT precision as TF32 (error ~3e-4, above
     the 1e-5 float32 tolerance of the self-check and gpu_check); HIGHEST lowers to IEEE. Checked on
     the kernels' own jaxprs, since the Triton IR is opaque in the lowered text."""
-    from paxserve.kernels.paged_attention import paged_decode_attention
+    from paxserve.kernels.decode_attention import paged_decode_attention
 
     q = jax.ShapeDtypeStruct((8, 8, 64), jnp.float32)
     cache = jax.ShapeDtypeStruct((1, 16, 16, 2, 64), jnp.float32)

@@ -9,6 +9,7 @@ from a monkeypatched kernel entry.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,7 @@ def test_reasons_carry_no_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_resolve_runs_the_check_once_only_for_the_gpu_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    """Once for the kernel and once for its decode-only kernel (on a pure-decode batch)."""
     calls = []
 
     def passing(backend: AttentionBackend, **shapes) -> None:  # noqa: ANN003
@@ -108,14 +110,17 @@ def test_resolve_runs_the_check_once_only_for_the_gpu_kernel(caplog: pytest.LogC
     caplog.set_level(logging.INFO, logger=LOGGER)
     for option in ("auto", "pallas"):
         assert resolve_attention_backend(option, "gpu", **TINY, self_check=passing) == PALLAS
-    assert calls == [(PALLAS, TINY), (PALLAS, TINY)]
-    assert sum("passed its start-up self-check" in r.getMessage() for r in caplog.records) == 2
+    decode = replace(PALLAS, pure_decode=True)
+    assert calls == [(PALLAS, TINY), (decode, TINY)] * 2
+    assert sum("passed its start-up self-check" in r.getMessage() for r in caplog.records) == 4
+    assert sum("Triton kernel's decode-only kernel passed its start-up self-check" in r.getMessage()
+               for r in caplog.records) == 2
     # Not for the reference, a CPU, interpret mode or shapes the kernel does not serve.
     assert resolve_attention_backend("reference", "gpu", **TINY, self_check=passing) == REFERENCE
     assert resolve_attention_backend("auto", "cpu", **TINY, self_check=passing) == REFERENCE
     assert resolve_attention_backend("pallas", "cpu", **TINY, self_check=passing) == PALLAS_INTERPRET
     assert resolve_attention_backend("auto", "gpu", **{**TINY, "head_dim": 80}, self_check=passing) == REFERENCE
-    assert len(calls) == 2
+    assert len(calls) == 4
     # None skips it; a check that raises counts as failed.
     assert resolve_attention_backend("pallas", "gpu", **TINY, self_check=None) == PALLAS
 
@@ -157,4 +162,6 @@ def test_resolve_passes_the_variants_to_the_check_only_when_given() -> None:
     assert resolve_attention_backend("auto", "gpu", **TINY, self_check=passing) == PALLAS
     assert resolve_attention_backend("auto", "gpu", **TINY, self_check=passing, sliding_window=512) == PALLAS
     assert resolve_attention_backend("pallas", "gpu", **TINY, self_check=passing, alibi=True) == PALLAS
-    assert calls == [TINY, {**TINY, "sliding_window": 512}, {**TINY, "alibi": True}]
+    # Each twice: the kernel, then its decode-only kernel.
+    assert calls == [TINY, TINY, {**TINY, "sliding_window": 512}, {**TINY, "sliding_window": 512},
+                     {**TINY, "alibi": True}, {**TINY, "alibi": True}]

@@ -58,9 +58,13 @@ MAX_MODEL_LEN = 8192
 # Forward buckets (tokens T, sequences S, block-table width B) a GPU engine runs at these limits:
 # a full decode step (256 sequences, one token each, up to 4k context = 256 blocks of 16) and a
 # mixed prefill step at the token budget (8k-token max_model_len = 512 blocks of 16).
-DECODE = (256, 256, 256)
-PREFILL = (8192, 64, 512)
-BUCKETS = [pytest.param(DECODE, id="decode-T256-S256-B256"), pytest.param(PREFILL, id="prefill-T8192-S64-B512")]
+# The decode step is lowered twice: as a plain forward (the ragged kernel) and as the "decode"
+# program the engine gives pure-decode steps (the decode-only kernel).
+DECODE = ("forward", 256, 256, 256)
+PURE_DECODE = ("decode", 256, 256, 256)
+PREFILL = ("forward", 8192, 64, 512)
+BUCKETS = [pytest.param(DECODE, id="decode-T256-S256-B256"), pytest.param(PURE_DECODE, id="decode-program-T256-S256-B256"),
+           pytest.param(PREFILL, id="prefill-T8192-S64-B512")]
 
 # The custom call each Pallas backend lowers to, and where in its backend_config the kernel module is.
 KERNEL_CALL = {"mosaic": "mosaic_gpu_v2", "triton": "__gpu$xla.gpu.triton"}
@@ -93,17 +97,17 @@ def _shapes(llama: tuple[Any, Any, np.dtype], num_blocks: int, backend: str) -> 
 
 
 @pytest.fixture(scope="module")
-def lower_forward(llama: tuple[Any, Any, np.dtype], num_blocks: int) -> Callable[[str, tuple[int, int, int]], Any]:
-    """(backend, bucket) -> the forward program lowered for CUDA, each lowered once for all tests.
+def lower_forward(llama: tuple[Any, Any, np.dtype], num_blocks: int) -> Callable[[str, tuple], Any]:
+    """(backend, program key) -> the forward program lowered for CUDA, each lowered once for all tests.
 
     `StepShapes.spec`'s own `lower` lowers for the default platform (this CPU), so the program is
     traced from the same arguments and statics and lowered for CUDA here."""
 
     @functools.cache
-    def lower(backend: str, bucket: tuple[int, int, int]) -> Any:
+    def lower(backend: str, key: tuple) -> Any:
         shapes = _shapes(llama, num_blocks, backend)
-        _, args, _ = shapes.spec(("forward", *bucket))
-        return lower_jitted_for_cuda(jitted_logits(llama[1].forward), *args, **shapes.statics())
+        _, args, _ = shapes.spec(key)
+        return lower_jitted_for_cuda(jitted_logits(llama[1].forward), *args, **shapes.statics(key[0]))
 
     return lower
 
@@ -174,7 +178,7 @@ def test_the_h200_plan_gives_a_cache_past_int32_element_indexing(llama: tuple[An
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("backend", ["mosaic", "triton"])
-def test_forward_lowers_for_sm90_at_size(backend: str, bucket: tuple[int, int, int], lower_forward: Any,
+def test_forward_lowers_for_sm90_at_size(backend: str, bucket: tuple, lower_forward: Any,
                                          llama: tuple[Any, Any, np.dtype], num_blocks: int) -> None:
     lowered = lower_forward(backend, bucket)
     cache = _cache_type(llama, num_blocks)
@@ -182,6 +186,10 @@ def test_forward_lowers_for_sm90_at_size(backend: str, bucket: tuple[int, int, i
     # The model is one lax.scan over layers, so the attention kernel is in the program once (in the
     # scan's body), and it is the backend's own kernel (no silent fallback to the other one).
     assert [_target(call) for call in kernels] == [KERNEL_CALL[backend]]
+    if backend == "triton":  # a pure-decode program runs the decode-only kernel, any other the ragged one
+        config = ir.DictAttr(kernels[0].attributes["mhlo.backend_config"])
+        expected = "paged_decode_attention" if bucket[0] == "decode" else "ragged_paged_attention"
+        assert ir.StringAttr(config["name"]).value == expected
     # The kernel reads the whole stacked cache [layers, blocks, block_size, kv_heads, head_dim] with the
     # layer as an index: a per-layer slice here would be a 1.7 GB copy per layer.
     operand_types = [str(operand.type) for operand in kernels[0].operands]
@@ -193,12 +201,12 @@ def test_forward_lowers_for_sm90_at_size(backend: str, bucket: tuple[int, int, i
     # The program's outputs are what StepShapes promises the compiled-program store (logits [S, V]
     # float32, then the cache).
     shapes = _shapes(llama, num_blocks, backend)
-    _, _, example_out = shapes.spec(("forward", *bucket))
+    _, _, example_out = shapes.spec(bucket)
     assert _shape_dtypes(lowered.out_info) == _shape_dtypes(example_out)
 
 
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_triton_kernel_addresses_the_cache_with_64_bit_offsets(bucket: tuple[int, int, int], lower_forward: Any,
+def test_triton_kernel_addresses_the_cache_with_64_bit_offsets(bucket: tuple, lower_forward: Any,
                                                                llama: tuple[Any, Any, np.dtype],
                                                                num_blocks: int) -> None:
     """Pallas' Triton lowering addresses a ref through `tt.addptr(base, offsets)` with element offsets
@@ -229,7 +237,7 @@ def _kernel_argument(pointer: ir.Value) -> int | None:
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_mosaic_kernel_targets_sm90_and_its_tma_coordinates_fit_int32(
-        bucket: tuple[int, int, int], lower_forward: Any, num_blocks: int, report: Any) -> None:
+        bucket: tuple, lower_forward: Any, num_blocks: int, report: Any) -> None:
     """Mosaic GPU copies each page by TMA through a descriptor of the whole cache; to fit TMA's five
     dimensions it folds the squeezed (layer, page, KV head) indices into one coordinate,
     `layer * N*P*K + page * P*K + kv_head` (in units of head_dim), which the copy instruction takes

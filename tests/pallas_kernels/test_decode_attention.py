@@ -18,7 +18,7 @@ import pytest
 
 import tests.pallas_kernels.test_reference_attention as ref_tests
 from tests.helpers import lower_for_cuda
-from paxserve.kernels.paged_attention import (
+from paxserve.kernels.decode_attention import (
     PagedDecodeAttentionConfig,
     _launch_shape,
     paged_decode_attention,
@@ -26,7 +26,7 @@ from paxserve.kernels.paged_attention import (
 )
 from tests.pallas_kernels.test_reference_attention import LAYER, Seq, make_case
 
-print(f"test_paged_attention: PAXSERVE_TEST_SEED={ref_tests.BASE_SEED}")
+print(f"test_decode_attention: PAXSERVE_TEST_SEED={ref_tests.BASE_SEED}")
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 _reference = jax.jit(paged_decode_attention_reference, static_argnames=("sm_scale", "soft_cap"))

@@ -17,8 +17,10 @@ run-time scalar input (one compiled kernel for every layer of a scan) and the sl
 neither is in the kernel when not given.
 `paged_decode_attention_reference` beside it states the same contract through the ragged reference.
 
-The engine's mixed step uses `ragged_paged_attention`; this kernel serves pure-decode batches and is
-measured against JAX's own Pallas paged attention in `benchmarks/gpu_check.py`.
+The engine runs it on pure-decode steps (its "decode" programs, through `dispatch.attention` with
+`AttentionBackend.pure_decode`); mixed steps run `ragged_paged_attention`. On one H200 it took
+0.25-0.73x the ragged kernel's time on pure-decode batches (benchmarks/RESULTS.md, "First GPU
+contact"), and it is measured against JAX's own Pallas paged attention in `benchmarks/gpu_check.py`.
 """
 
 from __future__ import annotations
