@@ -212,8 +212,9 @@ class Check:
             shutil.rmtree(lock.parent, ignore_errors=True)
             self.compare_backends()
         if "b" in only and self.fits("b"):
+            # One family at a time on a GPU, so no timing shares it; a smoke run's timings mean nothing.
             self.run([Job(f"timing {f}", "b", ["benchmarks/gpu_check_kernels.py", "timing", f], no_prealloc)
-                      for f in TIMING_FAMILIES], 1)
+                      for f in TIMING_FAMILIES], self.jobs if self.smoke else 1)
             self.judge_kernels()
         if "d" in only and self.fits("d"):
             self.run([Job("moe", "d", ["benchmarks/gpu_check_moe.py"], no_prealloc)], 1)

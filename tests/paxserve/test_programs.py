@@ -45,29 +45,32 @@ def _probe(tiny_dir: Path, store: Path, max_num_seqs: int = 1) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr}
 
 
-def test_a_second_start_loads_each_program_when_first_needed_traces_nothing_and_a_damaged_one_is_compiled_again(
+def test_a_second_start_loads_each_program_when_first_needed_traces_nothing_else_and_a_damaged_one_is_compiled_again(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
+    """Two starts on one store (each a fresh process): the first compiles and stores every program;
+    before the second, the prompt's program (loaded on first use, after ready) is damaged. The
+    second loads the rest without tracing them and compiles that one again, with the same tokens."""
     first = _probe(tiny_dir, tmp_path)
     assert first["loaded"] == 0 and first["compiled"] == len(first["keys"])
     # Warm-up: the decode step and sampler of the one batch size; then the prompt's prefill bucket.
     assert {"forward-1-1-1", "sample-1"} < set(first["keys"])
     assert len(list(tmp_path.rglob("*.xla"))) == len(first["keys"])
+    prefills = [k for k in first["keys"] if k.startswith("forward-") and k != "forward-1-1-1"]
+    assert prefills, first["keys"]
+    (damaged,) = tmp_path.rglob(f"{prefills[0]}.xla")
+    damaged.write_bytes(b"not an executable")
     second = _probe(tiny_dir, tmp_path)
-    assert second["loaded"] == len(first["keys"]) and second["compiled"] == 0
-    assert not [name for name in second["traces"] if name in ("logits", "sample", "_sample_and_score")], \
-        f"a warm start traced the step again: {second['traces']}"
+    assert f"stored program {prefills[0]}.xla is unusable" in second["log"]
+    assert second["loaded"] == len(first["keys"]) - 1 and second["compiled"] == 1
+    # The damaged forward is traced again, once; nothing else is (no sampler, no other forward).
+    assert [name for name in second["traces"] if name in ("logits", "sample", "_sample_and_score")] == ["logits"], \
+        f"a warm start traced more than the damaged program: {second['traces']}"
     # Only warm-up's programs (the one decode step and its sampler) load before ready; the prefill's
-    # loads when the prompt first needs it.
+    # loads (here: is found damaged and compiled) when the prompt first needs it.
     assert (f"2 loaded from the program store, 0 compiled now; {len(first['keys']) - 2} more stored programs "
             "found, left to load on first use") in second["log"]
     assert second["tokens"] == first["tokens"] and second["finish"] == ["length"]
-    (damaged,) = tmp_path.rglob("forward-1-1-1.xla")
-    damaged.write_bytes(b"not an executable")
-    third = _probe(tiny_dir, tmp_path)
-    assert "stored program forward-1-1-1.xla is unusable" in third["log"]
-    assert third["compiled"] == 1 and third["loaded"] == len(first["keys"]) - 1
-    assert third["tokens"] == first["tokens"]
 
 
 def test_a_missing_bucket_runs_in_a_covering_one_while_its_own_compiles(tiny_dir: Path) -> None:
