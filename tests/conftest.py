@@ -68,6 +68,15 @@ SERIAL_FILES = ("test_robustness.py", "test_lifecycle.py", "test_watchdog.py", "
                 "test_soak_benchmark.py")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`-m serial` runs whole files (SERIAL_FILES): leave the others unimported, since collecting the
+    whole suite (torch, transformers, lm-eval, LangChain...) costs about 25 s before the first test."""
+    if (config.getoption("markexpr") == "serial" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and collection_path.name not in SERIAL_FILES):
+        return True
+    return None
+
+
 # The longest files of the parallel part (seconds of test time on one worker, fresh clone of eb8433e,
 # 2026-12-04) go to the workers first, longest first: with whole files as the unit of work
 # (`--dist loadfile`), a long file that starts last keeps one worker busy after the other is done
