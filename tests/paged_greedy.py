@@ -14,6 +14,7 @@ import numpy as np
 
 from paxserve.worker.model_runner import ModelRunner
 from paxserve.worker.step_inputs import SeqChunk, build_batch, next_power_of_2
+from tests.helpers import compute_logits
 
 
 def greedy_stream(
@@ -51,7 +52,7 @@ def greedy_stream(
             pad_seqs_to=next_power_of_2(len(live)),
             pad_blocks_to=next_power_of_2(max(len(t) for t in tables)),
         )
-        logits = runner.compute_logits(batch)
+        logits = compute_logits(runner, batch)
         out: list[int | None] = [None] * len(prompts)
         for row, i in enumerate(live):
             token = int(np.argmax(logits[row]))

@@ -48,10 +48,9 @@ from paxserve.worker.step_functions import (
     FORWARD_KINDS,
     StepShapes,
     attention_metadata,
-    jitted_logits,
     write_state_rows_step,
 )
-from paxserve.worker.step_inputs import Batch, SeqChunk, bucket_size, bucket_sizes, build_batch, next_power_of_2
+from paxserve.worker.step_inputs import Batch, bucket_size, bucket_sizes, next_power_of_2
 
 logger = logging.getLogger(__name__)
 
@@ -304,13 +303,6 @@ class ModelRunner:
         return (self.programs.num_loaded - loaded_before, self.programs.num_compiled - compiled_before,
                 self.programs.num_unloaded)
 
-    def build(self, chunks: list[SeqChunk]) -> Batch:
-        """Pad a list of chunks to its own bucket (tests, tools; the engine's steps come from the
-        persistent batch)."""
-        t, s, b = self.exact_buckets(sum(len(c.token_ids) for c in chunks), len(chunks),
-                                     max(len(c.block_table) for c in chunks))
-        return build_batch(chunks, self.block_size, pad_tokens_to=t, pad_seqs_to=s, pad_blocks_to=b)
-
     # ---- the engine's steps: the persistent batch -------------------------------------------------
 
     def update_rows(self, out: SchedulerOutput) -> None:
@@ -374,16 +366,12 @@ class ModelRunner:
                         key[1:], len(self.compiled))
         return self.programs.get(key)(*args)
 
-    def _forward_args(self, batch: Batch) -> tuple[Any, ...]:
+    def forward_args(self, batch: Batch) -> tuple[Any, ...]:
+        """The arguments of a forward program (`step_functions.jitted_logits`) for `batch`, with this
+        runner's params, cache and last sampled tokens."""
         source = batch.token_source if batch.token_source is not None else np.full(batch.input_ids.shape, -1, np.int32)
         return (self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
                 attention_metadata(batch), self.sampler_state.last_token, jnp.asarray(source))
-
-    def compute_logits(self, batch: Batch) -> np.ndarray:
-        """Float32 logits [num_seqs, vocab] for the real sequences of `batch` (tests, greedy tools)."""
-        logits, self.kv_cache = jitted_logits(self.model.architecture.forward)(
-            *self._forward_args(batch), **self.shapes.statics())
-        return _host_copy(logits)[: batch.num_seqs]
 
     def write_sampler_state(self, writes: StateWrites) -> None:
         """Set the state rows of requests that start running (before the step that first samples
@@ -403,13 +391,13 @@ class ModelRunner:
         self.tokens_run += t
         self.tokens_real += batch.num_tokens
         if prompt is None:
-            logits, self.kv_cache = self._run((batch.program, t, s, b), *self._forward_args(batch))
+            logits, self.kv_cache = self._run((batch.program, t, s, b), *self.forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state)
             return DeviceStep(packed, batch.num_seqs, s, None)
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
-        args = self._forward_args(batch)
+        args = self.forward_args(batch)
         logits, self.kv_cache = self._run(("all_logits", t, s, b), *args)
         packed, self.sampler_state = self._run(("score", t, s), logits, args[4].logits_indices,
                                                self._sampling_metadata(sampling), self.sampler_state,

@@ -21,7 +21,7 @@ from paxserve import Engine, SamplingParams
 from paxserve.models import LoadedModel, load_model
 from paxserve.worker.model_runner import ModelRunner
 from paxserve.worker.step_inputs import SeqChunk, build_batch
-from tests.helpers import rel_error, release_compiled_programs
+from tests.helpers import compute_logits, rel_error, release_compiled_programs
 from tests.models.family_checkpoints import FAMILIES, MOE_FAMILIES, VOCAB, make_family_checkpoint
 from tests.paged_greedy import greedy_tokens_and_logits
 from tests.paxserve.test_engine import TEST_ENGINE_ARGS, assert_no_blocks_held
@@ -92,7 +92,7 @@ def test_prefill_logits_match_hf(family, report) -> None:
     runner = ModelRunner(model, num_blocks=32, block_size=16)
     free = np.random.default_rng(0).permutation(np.arange(1, 32)).tolist()
     chunks = [SeqChunk(p, 0, [free.pop() for _ in range(-(-len(p) // 16))]) for p in prompts]
-    ours = runner.compute_logits(build_batch(chunks, 16, pad_tokens_to=128, pad_seqs_to=4, pad_blocks_to=4))
+    ours = compute_logits(runner, build_batch(chunks, 16, pad_tokens_to=128, pad_seqs_to=4, pad_blocks_to=4))
     worst = max(rel_error(ours[row], hf_logits(hf, p)[-1])[1] for row, p in enumerate(prompts))
     report(f"{name}: prefill max rel err {worst:.2e}")
     assert worst < LOGIT_TOL
@@ -172,7 +172,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Path) -> N
     assert model.config.architecture == "Gemma3ForConditionalGeneration" and model.config.layer_windows[0] == 8
     prompts = prompts_for(3, [30, 6])
     runner = ModelRunner(model, num_blocks=16, block_size=16)
-    ours = runner.compute_logits(build_batch([SeqChunk(prompts[0], 0, [5, 2]), SeqChunk(prompts[1], 0, [9])], 16,
+    ours = compute_logits(runner, build_batch([SeqChunk(prompts[0], 0, [5, 2]), SeqChunk(prompts[1], 0, [9])], 16,
                                              pad_tokens_to=64, pad_seqs_to=2, pad_blocks_to=2))
     for row, p in enumerate(prompts):
         assert rel_error(ours[row], hf_logits(hf, p)[-1])[1] < LOGIT_TOL

@@ -13,7 +13,7 @@ from paxserve.models import LoadedModel, load_model
 from paxserve.worker.step_inputs import SeqChunk, build_batch, next_power_of_2
 from tests.paged_greedy import greedy_tokens_and_logits
 from paxserve.worker.model_runner import ModelRunner
-from tests.helpers import make_tiny_llama, rel_error
+from tests.helpers import compute_logits, make_tiny_llama, rel_error
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -57,7 +57,7 @@ def test_prefill_logits_match_hf(tiny, report) -> None:
     rng = np.random.default_rng(0)
     free = rng.permutation(np.arange(1, 32)).tolist()
     chunks = [SeqChunk(p, 0, [free.pop() for _ in range(-(-len(p) // 16))]) for p in prompts]
-    ours = runner.compute_logits(build_batch(chunks, 16, pad_tokens_to=64, pad_seqs_to=8, pad_blocks_to=4))
+    ours = compute_logits(runner, build_batch(chunks, 16, pad_tokens_to=64, pad_seqs_to=8, pad_blocks_to=4))
     worst = (0.0, 0.0)
     for row, p in enumerate(prompts):
         abs_err, rel = rel_error(ours[row], hf_logits(hf, p)[-1])
@@ -91,7 +91,7 @@ def test_decode_through_shuffled_pages_matches_hf_cached_decode(tiny, block_size
 def _run(runner: ModelRunner, chunks: list[SeqChunk]) -> np.ndarray:
     bs = runner.block_size
     num_tokens = sum(len(c.token_ids) for c in chunks)
-    return runner.compute_logits(build_batch(chunks, bs, pad_tokens_to=next_power_of_2(num_tokens, 8),
+    return compute_logits(runner, build_batch(chunks, bs, pad_tokens_to=next_power_of_2(num_tokens, 8),
                                       pad_seqs_to=next_power_of_2(len(chunks)), pad_blocks_to=8))
 
 
@@ -148,7 +148,7 @@ def test_bfloat16_is_as_accurate_as_hf_bfloat16(tmp_path, report) -> None:
     assert model.dtype.name == "bfloat16"
     prompts = prompts_for(2, [9, 30])
     runner = ModelRunner(model, num_blocks=16, block_size=16)
-    ours = runner.compute_logits(build_batch([SeqChunk(prompts[0], 0, [4]), SeqChunk(prompts[1], 0, [7, 2])], 16,
+    ours = compute_logits(runner, build_batch([SeqChunk(prompts[0], 0, [4]), SeqChunk(prompts[1], 0, [7, 2])], 16,
                                       pad_tokens_to=64, pad_seqs_to=2, pad_blocks_to=2))
     ours_err = max(rel_error(ours[i], hf_logits(hf32, p)[-1])[1] for i, p in enumerate(prompts))
     hf_err = max(rel_error(hf_logits(hf16, p)[-1], hf_logits(hf32, p)[-1])[1] for p in prompts)

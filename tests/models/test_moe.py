@@ -19,6 +19,7 @@ from paxserve.worker.model_runner import ModelRunner
 from paxserve.worker.step_inputs import SeqChunk, build_batch
 from tests.models.family_checkpoints import FAMILIES, VOCAB, make_family_checkpoint
 from tests.paged_greedy import greedy_tokens_and_logits
+from tests.helpers import compute_logits
 
 _experts = jax.jit(experts_forward, static_argnames=("act",))
 
@@ -101,7 +102,7 @@ def _logits(model, prompts: list[list[int]]) -> np.ndarray:
         n = -(-len(p) // 16)
         chunks.append(SeqChunk(p, 0, list(range(next_block, next_block + n))))
         next_block += n
-    return runner.compute_logits(build_batch(chunks, 16, pad_tokens_to=64, pad_seqs_to=4, pad_blocks_to=4))
+    return compute_logits(runner, build_batch(chunks, 16, pad_tokens_to=64, pad_seqs_to=4, pad_blocks_to=4))
 
 
 def test_whole_model_with_a_poisoned_unrouted_expert_stays_finite_and_equal(mixtral) -> None:

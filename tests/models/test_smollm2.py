@@ -15,7 +15,7 @@ from paxserve.models import LoadedModel, load_model
 from paxserve.models.bundled import default_model_path
 from paxserve.worker.model_runner import ModelRunner
 from paxserve.worker.step_inputs import SeqChunk, build_batch
-from tests.helpers import rel_error
+from tests.helpers import compute_logits, rel_error
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -104,7 +104,7 @@ def test_prefill_logits_match_hf(ours: LoadedModel, hf: tuple[Any, Any], report)
         n = -(-len(p) // 16)
         tables.append(list(range(next_block, next_block - n, -1)))
         next_block -= n
-    ours_logits = runner.compute_logits(build_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16,
+    ours_logits = compute_logits(runner, build_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16,
                                              pad_tokens_to=256, pad_seqs_to=8, pad_blocks_to=8))
     worst = (0.0, 0.0)
     for row, p in enumerate(prompts):

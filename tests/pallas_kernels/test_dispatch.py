@@ -17,7 +17,7 @@ from paxserve.kernels import REFERENCE, AttentionBackend, resolve_attention_back
 from paxserve.models import load_model
 from paxserve.worker.model_runner import ModelRunner
 from paxserve.worker.step_inputs import SeqChunk, build_batch, next_power_of_2
-from tests.helpers import make_tiny_llama, rel_error
+from tests.helpers import compute_logits, make_tiny_llama, rel_error
 
 PALLAS_INTERPRET = AttentionBackend("pallas", interpret=True)
 LLAMA8B_SHAPES = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=jnp.bfloat16)
@@ -141,7 +141,7 @@ def _step(runner: ModelRunner, chunks: list[SeqChunk]) -> np.ndarray:
     num_tokens = sum(len(c.token_ids) for c in chunks)
     batch = build_batch(chunks, runner.block_size, pad_tokens_to=next_power_of_2(num_tokens, 8),
                         pad_seqs_to=next_power_of_2(len(chunks)), pad_blocks_to=8)
-    return runner.compute_logits(batch)
+    return compute_logits(runner, batch)
 
 
 def _greedy_mixed(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]],
