@@ -47,7 +47,8 @@ ATTENTION_BACKEND_OPTIONS = ("auto", "mosaic", "triton", "pallas", "reference")
 _ALIASES = {"pallas": "triton"}
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _KERNELS = ("mosaic", "triton")
-_LABEL = {"mosaic": "Mosaic GPU kernel", "triton": "Triton kernel"}
+_FAMILY = {"mosaic": "Mosaic GPU", "triton": "Triton"}
+_LABEL = {name: f"{family} kernel" for name, family in _FAMILY.items()}
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,11 @@ class AttentionBackend:
         if self.pure_decode and not self.decode_kernel:
             raise ValueError(f"AttentionBackend: pure_decode needs a decode kernel, and {self.name!r} has none here")
 
-
     def describe(self) -> str:
         """The choice in plain words, for the start-up log."""
         if self.name == "reference":
             return "the XLA reference (jnp gathers through the block table; no Pallas kernel)"
-        family = _LABEL[self.name].replace(" kernel", "")
+        family = _FAMILY[self.name]
         mode = " in interpret mode" if self.interpret else ""
         decode = (f"pure-decode steps on the {family} decode-only kernel" if self.decode_kernel
                   else "pure-decode steps on the ragged kernel too")

@@ -152,12 +152,9 @@ def compute_logits(runner: Any, batch: Any) -> np.ndarray:
     """Float32 logits [num_seqs, vocab] for the real sequences of `batch` through a ModelRunner's
     model, cache and attention backend, as one jitted forward with no program store and no sampler
     (the parity tests' path; the runner's cache takes the step's K/V)."""
-    import jax
-
+    from paxserve.worker.model_runner import host_copy
     from paxserve.worker.step_functions import jitted_logits
 
     logits, runner.kv_cache = jitted_logits(runner.model.architecture.forward)(*runner.forward_args(batch),
                                                                                **runner.shapes.statics())
-    if isinstance(logits, jax.Array) and not logits.is_fully_addressable:  # multi-host: the local copy
-        logits = logits.addressable_data(0)
-    return np.asarray(logits)[: batch.num_seqs]
+    return host_copy(logits)[: batch.num_seqs]

@@ -212,10 +212,6 @@ class ModelRunner:
         return (bucket_size(num_tokens, self.fine_buckets), bucket_size(num_seqs, self.fine_buckets),
                 min(next_power_of_2(widest), max(widest, self.max_blocks_per_seq)))
 
-    def buckets(self, num_tokens: int, num_seqs: int, widest: int, kind: str = "forward") -> tuple[int, int, int]:
-        """The padded sizes a step runs at (`program`'s key without its kind)."""
-        return self.program(num_tokens, num_seqs, widest, kind)[1:]
-
     def program(self, num_tokens: int, num_seqs: int, widest: int, kind: str = "forward") -> tuple[str, int, int, int]:
         """The program a step runs: a pure-decode step (one token per sequence) asks for a "decode"
         program when the backend has a decode-only kernel; its own bucket when that program is ready
@@ -406,7 +402,7 @@ class ModelRunner:
 
     def collect(self, step: DeviceStep) -> tuple[SampledTokens, np.ndarray | None]:
         """Wait for a dispatched step and copy its results to the host (the step's one copy)."""
-        flat = _host_copy(step.packed)
+        flat = host_copy(step.packed)
         if step.num_prompt_positions is None:
             return unpack(flat, step.num_seqs), None
         num_sampled = step.num_rows * PACKED_WIDTH
@@ -414,7 +410,7 @@ class ModelRunner:
         return sampled, flat[num_sampled:].reshape(step.num_prompt_positions, PROMPT_PACKED_WIDTH)
 
 
-def _host_copy(array: jax.Array) -> np.ndarray:
+def host_copy(array: jax.Array) -> np.ndarray:
     """A replicated result on the host. Across hosts its copies are not all this process's to read;
     the local one is the same (every device computed it alike)."""
     if not isinstance(array, jax.Array) or array.is_fully_addressable:

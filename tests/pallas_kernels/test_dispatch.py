@@ -194,3 +194,23 @@ def test_engine_generate_with_pallas_backend(tiny_dir: Path) -> None:
         else:
             assert all(key[0] != "decode" for key in engine.runner.programs.keys())
     assert outs["pallas"] == outs["reference"]
+
+
+def test_a_decode_step_asks_for_its_own_program_and_a_plain_forward_covers_it_meanwhile(tiny_dir: Path) -> None:
+    """With a decode-only kernel, a step of one token per sequence is a "decode" program; while it
+    compiles in the background, a compiled plain forward that covers it serves (any step may run
+    there), and a step of several tokens never runs a decode program."""
+    engine = Engine(str(tiny_dir), attention_backend="pallas", warmup=False, compile_in_background=True,
+                    log_stats_interval=0, compilation_cache_dir="", max_model_len=128,
+                    kv_cache_memory_bytes=8 * 2**20, block_size=8, max_num_seqs=4)
+    runner = engine.runner
+    try:
+        runner.programs.get(("forward", 2, 2, 2))
+        assert runner.program(1, 1, 2) == ("forward", 2, 2, 2)
+        runner.programs.wait()
+        assert runner.program(1, 1, 2) == ("decode", 1, 1, 2)
+        # The decode step of one sequence had the next batch size's decode program compiled ahead.
+        assert runner.program(2, 2, 2) == ("decode", 2, 2, 2)
+        assert runner.program(3, 2, 2)[0] == "forward"
+    finally:
+        runner.programs.close()

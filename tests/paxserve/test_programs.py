@@ -80,13 +80,13 @@ def test_a_missing_bucket_runs_in_a_covering_one_while_its_own_compiles(tiny_dir
     runner.programs.get(("sample", 2))
     # (1, 1, 2) is not compiled: (2, 2, 2) covers it at 4x the work (tokens x sequences x width), so
     # it serves while (1, 1, 2) compiles in the background.
-    assert runner.buckets(1, 1, 2) == (2, 2, 2)
+    assert runner.program(1, 1, 2) == ("forward", 2, 2, 2)
     runner.programs.wait()
-    assert ("forward", 1, 1, 2) in runner.programs and runner.buckets(1, 1, 2) == (1, 1, 2)
+    assert ("forward", 1, 1, 2) in runner.programs and runner.program(1, 1, 2) == ("forward", 1, 1, 2)
     # Nothing covers a step 16 tokens long within 4x: it compiles its own.
-    assert runner.buckets(16, 1, 1) == (16, 1, 1)
+    assert runner.program(16, 1, 1) == ("forward", 16, 1, 1)
     # A decode step has the next block width and the next batch of decode steps compiled ahead.
-    runner.buckets(1, 1, 1)
+    runner.program(1, 1, 1)
     runner.programs.wait()
     assert {("forward", 1, 1, 2), ("forward", 2, 2, 1), ("sample", 2)} <= set(runner.programs.keys())
     runner.programs.close()
@@ -104,11 +104,11 @@ def test_warm_up_readies_a_single_sequence_step_wide_enough_for_a_first_answer_s
     try:
         assert set(programs.keys()) == {("forward", 1, 1, 4), ("forward", 1, 1, 8), ("sample", 1)}
         assert programs.queued_guesses() == [("forward", 1, 1, 1)]
-        assert engine.runner.buckets(1, 1, 2) == (1, 1, 4)
+        assert engine.runner.program(1, 1, 2) == ("forward", 1, 1, 4)
         assert ("forward", 1, 1, 2) in programs.queued_guesses()
-        assert engine.runner.buckets(1, 1, 3) == (1, 1, 4)
+        assert engine.runner.program(1, 1, 3) == ("forward", 1, 1, 4)
         # Past width 4 the context runs in the width-8 step; nothing is queued as soon needed.
-        assert engine.runner.buckets(1, 1, 5) == (1, 1, 8)
+        assert engine.runner.program(1, 1, 5) == ("forward", 1, 1, 8)
         assert programs.queued_guesses()[-1] == ("forward", 1, 1, 16)
     finally:
         programs.close()
