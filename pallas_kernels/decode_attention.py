@@ -19,7 +19,7 @@ neither is in the kernel when not given.
 
 The engine runs it on pure-decode steps (its "decode" programs, through `dispatch.attention` with
 `AttentionBackend.pure_decode`); mixed steps run `ragged_paged_attention`. On one H200 it took
-0.25-0.73x the ragged kernel's time on pure-decode batches (benchmarks/RESULTS.md, "First GPU
+0.24-0.73x the ragged kernel's time on pure-decode batches (benchmarks/RESULTS.md, "First GPU
 contact"), and it is measured against JAX's own Pallas paged attention in `benchmarks/gpu_check.py`.
 """
 

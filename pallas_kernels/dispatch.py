@@ -9,8 +9,8 @@ the chosen kernel once against the reference first (`self_check.py`) and falls b
 GPU to the reference) if a kernel fails to compile or disagrees.
 
 Why Triton before Mosaic GPU on Hopper, and why a decode-only kernel: on one H200 (JAX 0.11.2,
-benchmarks/RESULTS.md, "First GPU contact") the Triton ragged kernel took 0.55-0.8x the Mosaic
-GPU one's time at every measured shape, and each family's decode-only kernel 0.25-0.8x its ragged
+benchmarks/RESULTS.md, "First GPU contact") the Triton ragged kernel took 0.55-0.93x the Mosaic
+GPU one's time at every measured shape, and each family's decode-only kernel 0.24-0.8x its ragged
 kernel's on pure-decode batches. Mosaic GPU stays the fallback: JAX 0.11 deprecates Pallas-Triton.
 """
 
