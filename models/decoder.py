@@ -27,6 +27,7 @@ from paxserve.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 from paxserve.kernels.metadata import NO_WINDOW
 from paxserve.kernels.alibi import alibi_slopes
+from paxserve.kernels.kv_cache import fp8_bits
 
 if TYPE_CHECKING:
     from paxserve.models.sharding import TensorParallel
@@ -128,6 +129,9 @@ def forward(
     if windows is not None:
         scanned["window"] = jnp.asarray(windows)
     scanned |= {name: jnp.asarray(value) for name, value in mlp_slots(cfg).items()}
+    fp8 = kv_cache.fp8
+    if fp8 is not None:  # each layer's K and V scales
+        scanned |= {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
 
     def attend(p: LayerParams, h: Array, k_cache: Array, v_cache: Array, xs: dict[str, Array]):
         qkv = dense(h, p.qkv_w, p.qkv_b)
@@ -142,11 +146,17 @@ def forward(
                 table = (xs["window"] != NO_WINDOW).astype(jnp.int32)
                 cos, sin = cos[table], sin[table]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fp8 is not None:  # the cache holds K / k_scale and V / v_scale (pallas_kernels/kv_cache.py)
+            k = fp8_bits(k.astype(jnp.float32) / xs["k_scale"], fp8)
+            v = fp8_bits(v.astype(jnp.float32) / xs["v_scale"], fp8)
+            q = (q.astype(jnp.float32) * xs["k_scale"]).astype(q.dtype)
         k_cache, v_cache = write_kv_reference(k_cache, v_cache, xs["index"], k, v, metadata.slot_mapping)
         out = attention(
             q, k_cache, v_cache, xs["index"], metadata, sm_scale=cfg.softmax_scale, backend=attention_backend,
-            sliding_window=xs.get("window"), soft_cap=cfg.attn_soft_cap, alibi_slopes=slopes,
+            sliding_window=xs.get("window"), soft_cap=cfg.attn_soft_cap, alibi_slopes=slopes, fp8=fp8,
         )
+        if fp8 is not None:
+            out = (out.astype(jnp.float32) * xs["v_scale"]).astype(out.dtype)
         return dense(out.reshape(num_tokens, q_size), p.o_w, p.o_b, reduce), k_cache, v_cache
 
     def ffn(p: LayerParams, h: Array, xs: dict[str, Array]) -> Array:
@@ -194,7 +204,7 @@ def forward(
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     if tp is not None and tp.vocab_parallel:  # each device holds one slice of the vocabulary
         logits = jax.lax.all_gather(logits, tp.axis, axis=1, tiled=True)
-    return logits, KVCache(k=k_cache, v=v_cache)
+    return logits, kv_cache.replace(k=k_cache, v=v_cache)
 
 
 def _embed(embed: Float[Array, "V H"], input_ids: Int[Array, " T"], tp: TensorParallel | None) -> Array:

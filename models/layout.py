@@ -17,8 +17,16 @@ import numpy as np
 
 from paxserve.models.config import ModelConfig
 from paxserve.models.decoder import DecoderParams, LayerParams
+from paxserve.models.quant_weights import QuantizedWeight, WeightQuantization
 
 LAYER_INDEX = "{i}"  # stands for the layer number in per-layer tensor names
+# The linear weights `--quantization` quantizes: attention and MLP (experts included). The
+# embedding, the LM head, norms, biases, the MoE router and the shared-expert gate keep their width
+# (vLLM's choice: they are small, and the head and router decide tokens directly).
+QUANTIZABLE = frozenset({
+    "layers.qkv_w", "layers.o_w", "layers.up_w", "layers.down_w", "dense_mlp.up_w", "dense_mlp.down_w",
+    "moe.experts_up_w", "moe.experts_down_w", "moe.shared_up_w", "moe.shared_down_w",
+})
 
 
 @dataclass(frozen=True)
@@ -114,23 +122,62 @@ def _to_default_device(path: str, array: np.ndarray) -> jax.Array:
 
 def params_from_layout(
     layout: Layout, read: Callable[[str], np.ndarray], num_layers: int, dtype: np.dtype,
-    place: Place = _to_default_device,
-) -> DecoderParams:
+    place: Place = _to_default_device, quantization: WeightQuantization | None = None,
+    keep_unquantized: bool = False,
+) -> tuple[DecoderParams, DecoderParams | None]:
     """Read and convert every tensor; per-layer fields are stacked on a leading layer axis (filled
     in place, so peak host memory is one stacked copy) and handed to `place` one field at a time
-    (tensor parallelism sends each device only its slice)."""
+    (tensor parallelism sends each device only its slice). With `quantization`, the QUANTIZABLE
+    fields are quantized layer by layer as they are read (from the weights rounded to `dtype`, as
+    vLLM quantizes the loaded checkpoint), their values and scales placed as "path.q", "path.scale".
 
-    def stacked(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.Array:
-        out = np.empty((len(layers), *leaf.shape()), dtype)
+    Returns (params, the same model unquantized or None): with `keep_unquantized`, the quantized
+    fields are also placed at full width (the other fields are shared), from the same one read of
+    the checkpoint, for the start-up numerics check to compare against and then drop."""
+    placed: dict[str, object] = {}
+    full: dict[str, jax.Array] = {}
+
+    def stacked(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.Array | QuantizedWeight:
+        shape = (len(layers), *leaf.shape())
+        quantize = quantization is not None and path in QUANTIZABLE
+        out = np.empty(shape, dtype) if not quantize or keep_unquantized else None
+        if quantize:
+            q = np.empty(shape, quantization.storage)
+            scale = np.empty((*shape[:-2], 1, shape[-1]), np.float32)
         for row, i in enumerate(layers):
-            out[row] = _build(leaf, read, i)
-        return place(path, out)
+            w = np.asarray(_build(leaf, read, i), dtype)
+            if out is not None:
+                out[row] = w
+            if quantize:
+                one = quantization.quantize(w)
+                q[row], scale[row] = one.q, one.scale
+        if not quantize:
+            placed[path] = place(path, out)
+            return placed[path]
+        if out is not None:
+            full[path] = place(path, out)
+        placed[path] = QuantizedWeight(q=place(f"{path}.q", q), scale=place(f"{path}.scale", scale),
+                                       fp8_activations=quantization.fp8_activations)
+        return placed[path]
 
-    return _assemble(layout, num_layers, stacked,
-                     lambda path, leaf: place(path, np.asarray(_build(leaf, read, None), dtype)))
+    def top(path: str, leaf: Leaf) -> jax.Array:
+        placed[path] = place(path, np.asarray(_build(leaf, read, None), dtype))
+        return placed[path]
+
+    params = _assemble(layout, num_layers, stacked, top)
+    if not keep_unquantized or quantization is None:
+        return params, None
+    reference = _assemble(layout, num_layers, lambda path, leaf, layers: full.get(path, placed[path]),
+                          lambda path, leaf: placed[path])
+    return params, reference
 
 
-def abstract_from_layout(layout: Layout, num_layers: int, dtype: np.dtype) -> DecoderParams:
+def abstract_from_layout(layout: Layout, num_layers: int, dtype: np.dtype,
+                         quantization: WeightQuantization | None = None) -> DecoderParams:
     s = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    return _assemble(layout, num_layers, lambda path, leaf, layers: s((len(layers), *leaf.shape())),
-                     lambda path, leaf: s(leaf.shape()))
+
+    def per_layer(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.ShapeDtypeStruct | QuantizedWeight:
+        shape = (len(layers), *leaf.shape())
+        return quantization.abstract(shape) if quantization is not None and path in QUANTIZABLE else s(shape)
+
+    return _assemble(layout, num_layers, per_layer, lambda path, leaf: s(leaf.shape()))

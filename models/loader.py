@@ -30,9 +30,10 @@ from transformers import PreTrainedTokenizerBase
 from paxserve.models.bundled import default_model_path
 from paxserve.models.config import ModelConfig, model_config_from_hf
 from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.models.quant_weights import QUANTIZATION_METHODS, WeightQuantization
 from paxserve.models.registry import Architecture, get_architecture
 from paxserve.models.safetensors_io import SafetensorsCheckpoint
-from paxserve.models.sharding import TensorParallel, map_fields, param_bytes
+from paxserve.models.sharding import TensorParallel, field_paths, map_fields, param_bytes
 from paxserve.models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class LoadedModel:
     load_seconds: float = 0.0
     from_cache: bool = False
     tp: TensorParallel | None = None  # how params are split over devices (None: one device)
+    quantization: WeightQuantization | None = None  # how the linear weights were quantized at load
+    # The same model unquantized (`load_model(keep_unquantized=True)`), for the start-up numerics
+    # check; whoever asked for it drops it (`del model.unquantized_params`) before the KV cache is made.
+    unquantized_params: Any = None
 
 
 def resolve_source(model: str | os.PathLike | None) -> tuple[str, Path]:
@@ -222,7 +227,8 @@ def _save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer:
 
 
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,
-             place: Callable[[str, np.ndarray], Any] | None = None) -> Any:
+             place: Callable[[str, np.ndarray], Any] | None = None,
+             quantization: WeightQuantization | None = None, keep_unquantized: bool = False) -> tuple[Any, Any]:
     total = len(arch.hf_tensor_shapes(cfg))
     with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None) as bar:
 
@@ -230,7 +236,7 @@ def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, d
             bar.update(1)
             return ckpt.read(name)
 
-        return arch.params_from_hf(read, cfg, dtype, place)
+        return arch.params_from_hf(read, cfg, dtype, place, quantization, keep_unquantized)
 
 
 def _keep_on_host(path: str, array: np.ndarray) -> np.ndarray:
@@ -362,8 +368,30 @@ def _convert_gguf(path: Path, dtype: str, tp_size: int, expert_parallel: bool
     tp = _tensor_parallel(cfg, tp_size, expert_parallel)
     ckpt = _as_laid_out(gguf_file, arch)
     check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
-    params = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}", None if tp is None else _keep_on_host)
+    params, _ = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}", None if tp is None else _keep_on_host)
     return params, hf_config, tokenizer_from_gguf(gguf_file), tp
+
+
+def resolve_quantization(method: str | None, kind: str, hf_config: dict[str, Any], source: str | Path
+                         ) -> WeightQuantization | None:
+    """The load-time quantization `method` asks for (None: none), checked against the checkpoint:
+    one that is quantized already (a GGUF file, or a `quantization_config` in config.json) is read
+    as it is, so asking for another method is an error naming both."""
+    stored = "gguf" if kind == "gguf" else (hf_config.get("quantization_config") or {}).get("quant_method")
+    if kind == "hf" and "quantization_config" in hf_config:
+        raise ValueError(f"{source} is a pre-quantized checkpoint (quantization_config: quant_method={stored!r}); "
+                         "paxserve does not read pre-quantized Hugging Face checkpoints yet: load the unquantized "
+                         "checkpoint, with --quantization fp8 or int8 to quantize it at load")
+    if method is None:
+        return None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={method!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)} "
+                         "(applied at load to a float checkpoint)")
+    if stored is not None:
+        raise ValueError(f"quantization={method!r} cannot apply to {source}: it is quantized already ({stored}), "
+                         "and paxserve runs a quantized checkpoint by its own method; drop --quantization")
+    device = jax.local_devices()[0]
+    return WeightQuantization.for_device(method, device.platform, getattr(device, "compute_capability", None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,10 +401,12 @@ class ModelInfo:
     config: ModelConfig
     dtype: np.dtype
     weight_bytes: int
+    quantization: WeightQuantization | None = None
 
 
 def inspect_model(
-    model: str | os.PathLike | None = None, dtype: str = "auto", *, cache_dir: str | os.PathLike | None = None
+    model: str | os.PathLike | None = None, dtype: str = "auto", *, cache_dir: str | os.PathLike | None = None,
+    quantization: str | None = None,
 ) -> ModelInfo:
     kind, path = resolve_source(model)
     if kind == "hf":
@@ -385,9 +415,10 @@ def inspect_model(
         cached = _gguf_cache_entry(path, dtype, cache_dir) / "config.json"
         hf_config = json.loads(cached.read_text()) if cached.exists() else GGUFCheckpoint(path).hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
-    abstract = arch.abstract_params(cfg, np_dtype)
+    quant = resolve_quantization(quantization, kind, hf_config, path)
+    abstract = arch.abstract_params(cfg, np_dtype, quant)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
-    return ModelInfo(config=cfg, dtype=np_dtype, weight_bytes=int(weight_bytes))
+    return ModelInfo(config=cfg, dtype=np_dtype, weight_bytes=int(weight_bytes), quantization=quant)
 
 
 def _read_generation_config(directory: Path) -> dict[str, Any]:
@@ -440,19 +471,24 @@ def load_model(
     tokenizer: str | os.PathLike | None = None,
     tensor_parallel_size: int = 1,
     enable_expert_parallel: bool = False,
+    quantization: str | None = None,
+    keep_unquantized: bool = False,
 ) -> LoadedModel:
     """Load config, weights and tokenizer. Errors name the problem (missing config, unsupported
     architecture, truncated or mismatched tensors). `tokenizer`: a local tokenizer directory or
     .gguf file to use instead of the model's own (vLLM's --tokenizer). `tensor_parallel_size` > 1
     splits the weights over that many local devices as they load (ValueError naming the valid
     sizes when the model does not divide); `enable_expert_parallel` places an MoE model's routed
-    experts whole on the devices instead of splitting each one."""
+    experts whole on the devices instead of splitting each one. `quantization` ("fp8", "int8")
+    quantizes the linear weights of a float checkpoint as they load; `keep_unquantized` also keeps
+    them at full width (`LoadedModel.unquantized_params`) from the same read."""
     start = time.perf_counter()
     kind, path = resolve_source(model)
     tokenizer_source = tokenizer  # the name `tokenizer` is reused below for the loaded one
     tokenizer_override = _tokenizer_from_path(tokenizer_source) if tokenizer_source is not None else None
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
+        quant = resolve_quantization(quantization, kind, {}, path)  # raises: a GGUF is quantized already
         params, hf_config, tokenizer, from_cache, tp = _load_gguf(path, dtype, cache_dir, use_param_cache,
                                                                   tensor_parallel_size, enable_expert_parallel)
         generation_config: dict[str, Any] = {}
@@ -461,25 +497,36 @@ def load_model(
         hf_config = _read_hf_config(path)
         generation_config = _read_generation_config(path)
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+        quant = resolve_quantization(quantization, kind, hf_config, path)
         eos = generation_config.get("eos_token_id")
         if isinstance(eos, (int, list)):
             cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
         tp = _tensor_parallel(cfg, tensor_parallel_size, enable_expert_parallel)
         ckpt = _as_laid_out(SafetensorsCheckpoint(path), arch)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
-        params = _convert(arch, cfg, ckpt, np_dtype, f"Loading {path.name}", None if tp is None else tp.place)
+        params, unquantized = _convert(arch, cfg, ckpt, np_dtype,
+                                       f"Loading {path.name}" + (f" ({quant.method})" if quant else ""),
+                                       None if tp is None else tp.place, quant, keep_unquantized)
         tokenizer = tokenizer_from_directory(path) if tokenizer_override is None else None
         from_cache = False
+    if kind == "gguf":
+        unquantized = None
     if tokenizer_override is not None:
         _check_tokenizer_vocab(tokenizer_override, cfg.vocab_size, str(tokenizer_source))
         tokenizer = tokenizer_override
     params = jax.block_until_ready(params)
     seconds = time.perf_counter() - start
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    leaves = jax.tree_util.tree_leaves(params)
+    n_params = sum(x.size for x, path in zip(leaves, field_paths(params)) if not path.endswith(".scale"))
+    total_bytes = sum(x.nbytes for x in leaves)
     logger.info(
-        "loaded %s: %s, %.1fM params in %s, %.1fs%s", path.name, cfg.architecture, n_params / 1e6, np_dtype.name,
-        seconds, " (from param cache)" if from_cache else "",
+        "loaded %s: %s, %.1fM params in %s, %.1fs%s; %.3f GiB of weights", path.name, cfg.architecture,
+        n_params / 1e6, np_dtype.name, seconds, " (from param cache)" if from_cache else "", total_bytes / 2**30,
     )
+    if quant is not None:
+        full = param_bytes(arch.abstract_params(cfg, np_dtype))
+        logger.info("quantization: %s; weights %.3f GiB instead of %.3f GiB in %s (%.2fx smaller)", quant.describe(),
+                    total_bytes / 2**30, full / 2**30, np_dtype.name, full / max(total_bytes, 1))
     logger.info("model: %s", cfg.describe())
     if cfg.num_experts:
         active = n_params - cfg.inactive_params_per_token
@@ -487,8 +534,9 @@ def load_model(
                     "counted in the memory plan), %s active per token", cfg.num_experts, len(cfg.moe_layers),
                     cfg.num_layers, cfg.num_experts_per_tok, _count(n_params), _count(active))
     if tp is not None:
-        logger.info("%s", tp.describe(param_bytes(arch.abstract_params(cfg, np_dtype)), _device_bytes(params)))
+        logger.info("%s", tp.describe(param_bytes(arch.abstract_params(cfg, np_dtype, quant)), _device_bytes(params)))
     return LoadedModel(
         config=cfg, params=params, architecture=arch, tokenizer=tokenizer, dtype=np_dtype, source=str(path),
-        generation_config=generation_config, load_seconds=seconds, from_cache=from_cache, tp=tp,
+        generation_config=generation_config, load_seconds=seconds, from_cache=from_cache, tp=tp, quantization=quant,
+        unquantized_params=unquantized,
     )

@@ -23,6 +23,7 @@ from flax import struct
 from jaxtyping import Array, Float, Int
 
 from paxserve.models.layers import Reduce, activation, dense, mlp
+from paxserve.models.quant_weights import QuantizedWeight
 
 # Tile heights: below ~16 rows a tile's product is bound by reading its expert's matrix, so fewer,
 # taller tiles cost nothing extra and read each routed expert once; above 256 padding waste dominates.
@@ -107,12 +108,16 @@ def take_layer(tree: Any, layer: Int[Array, ""]) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), tree)
 
 
-def _slice_expert(w: Array, layer: Array | None, expert: Array) -> Array:
+def _slice_expert(w: Array | QuantizedWeight, layer: Array | None, expert: Array) -> Array | QuantizedWeight:
     """One expert's [in, out] matrix out of a [(layers,) experts, in, out] stack: only that matrix
-    is sliced, never a layer's whole expert stack."""
+    is sliced, never a layer's whole expert stack (a quantized stack: its values and scales alike)."""
     lead = () if layer is None else (layer,)
-    shape = w.shape[-2:]
-    return jax.lax.dynamic_slice(w, (*lead, expert, 0, 0), (*(1 for _ in lead), 1, *shape)).reshape(shape)
+
+    def one(a: Array) -> Array:
+        shape = a.shape[-2:]
+        return jax.lax.dynamic_slice(a, (*lead, expert, 0, 0), (*(1 for _ in lead), 1, *shape)).reshape(shape)
+
+    return jax.tree.map(one, w)
 
 
 def grouped_expert_mlp(

@@ -60,6 +60,18 @@ def shard_rules(cfg: ModelConfig, vocab_parallel: bool, expert_parallel: bool = 
     return rules
 
 
+def rule_for(rules: dict[str, ShardRule], path: str, shape: tuple[int, ...]) -> ShardRule | None:
+    """The rule of a leaf: its field's, or, for a quantized weight's values and scales ("layers.o_w.q",
+    "layers.o_w.scale"), the weight's (they keep its axes). A leaf of extent 1 on the split axis (a
+    per-channel scale of a row-parallel weight: one value for the whole input axis) is replicated."""
+    rule = rules.get(path)
+    if rule is None and path.endswith((".q", ".scale")):
+        rule = rules.get(path.rsplit(".", 1)[0])
+    if rule is not None and shape[rule.axis] == 1:
+        return None
+    return rule
+
+
 def field_paths(tree: Any) -> list[str]:
     """Dotted field paths of a params pytree's leaves ("layers.qkv_w", "moe.experts_up_w", "embed")."""
     return [".".join(str(getattr(k, "name", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
@@ -122,7 +134,7 @@ def device_share(cfg: ModelConfig, size: int, abstract_params: Callable[[ModelCo
     rules = shard_rules(cfg, cfg.vocab_size % size == 0, expert_parallel)
 
     def share(path: str, leaf: Any) -> jax.ShapeDtypeStruct:
-        rule, shape = rules.get(path), list(leaf.shape)
+        rule, shape = rule_for(rules, path, tuple(leaf.shape)), list(leaf.shape)
         if rule is not None:
             shape[rule.axis] //= size
         return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
@@ -202,23 +214,23 @@ class TensorParallel:
 
     # ---- params -------------------------------------------------------------------------------
 
-    def rule(self, path: str) -> ShardRule | None:
-        return shard_rules(self.cfg, self.vocab_parallel, self.expert_parallel).get(path)
+    def rule(self, path: str, shape: tuple[int, ...]) -> ShardRule | None:
+        return rule_for(shard_rules(self.cfg, self.vocab_parallel, self.expert_parallel), path, shape)
 
-    def spec(self, path: str, ndim: int) -> P:
-        rule = self.rule(path)
+    def spec(self, path: str, shape: tuple[int, ...]) -> P:
+        rule = self.rule(path, shape)
         if rule is None:
             return P()
-        return P(*(TP_AXIS if a == rule.axis else None for a in range(ndim)))
+        return P(*(TP_AXIS if a == rule.axis else None for a in range(len(shape))))
 
     def param_specs(self, params: Any) -> Any:
         """A pytree of PartitionSpecs matching `params` (arrays or ShapeDtypeStructs)."""
-        return map_fields(lambda path, leaf: self.spec(path, leaf.ndim), params)
+        return map_fields(lambda path, leaf: self.spec(path, tuple(leaf.shape)), params)
 
     def reorder(self, path: str, array: np.ndarray) -> np.ndarray:
         """The field as this split stores it: fused axes regrouped per device, KV heads repeated
         when they are fewer than the devices. Other fields are returned as they are."""
-        rule = self.rule(path)
+        rule = self.rule(path, array.shape)
         if rule is None or rule.fused is None:
             return array
         axis, n = rule.axis, self.size
@@ -245,13 +257,13 @@ class TensorParallel:
     def place(self, path: str, array: np.ndarray) -> jax.Array:
         """One host field onto the mesh: each device receives only its own slice."""
         array = self.reorder(path, np.asarray(array))
-        return jax.device_put(array, NamedSharding(self.mesh, self.spec(path, array.ndim)))
+        return jax.device_put(array, NamedSharding(self.mesh, self.spec(path, array.shape)))
 
     def abstract_params(self, abstract_params: Callable[[ModelConfig], Any]) -> Any:
         """The whole mesh's params as ShapeDtypeStructs with their shardings (`abstract_params(cfg)`
         gives a config's whole params), for lowering the step without weights."""
         return map_fields(lambda path, leaf: jax.ShapeDtypeStruct(
-            leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, self.spec(path, leaf.ndim))),
+            leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, self.spec(path, tuple(leaf.shape)))),
             abstract_params(stored_config(self.cfg, self.size)))
 
     # ---- KV cache and the sharded step --------------------------------------------------------
@@ -259,6 +271,10 @@ class TensorParallel:
     @property
     def kv_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, KV_CACHE_SPEC)
+
+    def kv_cache_shardings(self, kv_cache: Any) -> Any:
+        """Shardings matching a KVCache: K and V split by KV heads, an fp8 cache's per-layer scales whole."""
+        return jax.tree.map(lambda leaf: self.kv_sharding if leaf.ndim == 5 else self.replicated, kv_cache)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -270,7 +286,7 @@ class TensorParallel:
         """`forward` run per device under `shard_map` on the local config: params and KV cache
         split as above, the batch (ids, positions, attention metadata) replicated, full-vocabulary
         logits back on every device (so sampling sees every token)."""
-        kv_specs = jax.tree.map(lambda _: KV_CACHE_SPEC, kv_cache)
+        kv_specs = jax.tree.map(lambda leaf: KV_CACHE_SPEC if leaf.ndim == 5 else P(), kv_cache)
 
         def local_forward(params, kv_cache, input_ids, positions, metadata):  # noqa: ANN001, ANN202
             return forward(params, kv_cache, input_ids, positions, metadata, self.local,

@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from paxserve.kernels.attention_args import Window, slopes_operand, window_operand
+from paxserve.kernels.kv_cache import fp8_view
 from paxserve.kernels.kernel_checks import (
     MIN_DOT,
     check_decode_tables,
@@ -90,6 +91,7 @@ def _kernel(
     soft_cap: float | None,
     windowed: bool,
     alibi: bool,
+    fp8: str | None = None,
 ):
     """refs, in order:
     scalars_ref  [1 or 2] int32: layer, and the window if `windowed`
@@ -132,6 +134,7 @@ def _kernel(
         load_mask = jnp.broadcast_to(key_ok[:, None], (kv_tokens, head_dim))
         k = plgpu.load(k_ref.at[where], mask=load_mask, other=0)
         v = plgpu.load(v_ref.at[where], mask=load_mask, other=0)
+        k, v = (fp8_view(x, fp8).astype(q.dtype) for x in (k, v))  # fp8 bits widen here (scales act outside)
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_DOT_PRECISION)
         if alibi:  # before the scale, as Hugging Face Falcon adds it; the query sits at ctx - 1
             scores += slope[:, None] * (key_pos - (ctx - 1)).astype(jnp.float32)[None, :]
@@ -186,11 +189,12 @@ def _launch_shape(num_seqs: int, num_kv_heads: int, head_dim: int, block_size: i
     return kv_tokens, num_splits, steps_per_split * pages_per_step
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret", "fp8"))
 def _paged_decode_attention(
     q: Array, k_cache: Array, v_cache: Array, layer: Array, block_tables: Array, context_lens: Array,
     sliding_window: Array | int | None, alibi_slopes: Array | None, *,
     sm_scale: float, soft_cap: float | None, config: PagedDecodeAttentionConfig, interpret: bool,
+    fp8: str | None = None,
 ) -> Array:
     num_seqs, num_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -216,7 +220,7 @@ def _paged_decode_attention(
     kernel = functools.partial(
         _kernel, group=group, rows=rows, kv_tokens=kv_tokens, split_tokens=pages_per_split * block_size,
         sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
-        windowed=window is not None, alibi=slopes is not None,
+        windowed=window is not None, alibi=slopes is not None, fp8=fp8,
     )
     head_inputs = ([full((num_heads,))], [slopes]) if slopes is not None else ([], [])
     acc, m, l = pl.pallas_call(
@@ -266,6 +270,7 @@ def paged_decode_attention(
     alibi_slopes: Float[Array, " H"] | None = None,
     config: PagedDecodeAttentionConfig = PagedDecodeAttentionConfig(),
     interpret: bool = False,
+    fp8: str | None = None,
 ) -> Float[Array, "S H D"]:
     """One decode token per sequence attending to its paged context (Pallas/Triton, split-K).
 
@@ -278,7 +283,7 @@ def paged_decode_attention(
       q: [num_seqs, num_heads, head_dim] (float32, bfloat16 or float16), the token at position
         `context_lens[s] - 1` of each sequence.
       k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim], q's dtype,
-        with this step's K/V already written.
+        with this step's K/V already written; with `fp8`, uint8 bits of values in that format.
       layer: layer of the stacked cache (int or int32 scalar, may be traced).
       block_tables: [num_seqs, max_blocks] block ids; context_lens: [num_seqs] (0 = padding).
       sm_scale, soft_cap: static, as in `ragged_paged_attention_reference`.
@@ -289,12 +294,12 @@ def paged_decode_attention(
       config: tuning knobs (split count, keys per step, warps, stages).
       interpret: run with the Pallas interpreter (CPU tests).
     """
-    validate_q_and_cache(q, k_cache, v_cache, "paged_decode_attention")
+    validate_q_and_cache(q, k_cache, v_cache, "paged_decode_attention", fp8=fp8)
     check_decode_tables(q, block_tables, context_lens, "paged_decode_attention")
     window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "paged_decode_attention")
     return _paged_decode_attention(
         q, k_cache, v_cache, layer, block_tables, context_lens, window, alibi_slopes, sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret,
+        soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret, fp8=fp8,
     )
 
 
@@ -321,10 +326,11 @@ def paged_decode_attention_reference(
     sliding_window: Window = None,
     soft_cap: float | None = None,
     alibi_slopes: Float[Array, " H"] | None = None,
+    fp8: str | None = None,
 ) -> Float[Array, "S H D"]:
-    """Pure `jnp` reference: the ragged reference on a one-token-per-sequence batch (same window and
-    ALiBi contract as `paged_decode_attention`)."""
+    """Pure `jnp` reference: the ragged reference on a one-token-per-sequence batch (same window,
+    ALiBi and fp8 contract as `paged_decode_attention`)."""
     return ragged_paged_attention_reference(
         q, k_cache, v_cache, layer, decode_metadata(block_tables, context_lens), sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes, fp8=fp8,
     )

@@ -49,6 +49,7 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _KERNELS = ("mosaic", "triton")
 _FAMILY = {"mosaic": "Mosaic GPU", "triton": "Triton"}
 _LABEL = {name: f"{family} kernel" for name, family in _FAMILY.items()}
+_FP8_CACHE_REASON = "it does not read an fp8 KV cache (its wgmma takes bf16 / f16 pages from shared memory)"
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ def attention(
     sliding_window: Window = None,
     soft_cap: float | None = None,
     alibi_slopes: Float[Array, " H"] | None = None,
+    fp8: str | None = None,
 ) -> Float[Array, "T H D"]:
     """Ragged paged attention (see `ragged_paged_attention_reference`) on the chosen backend.
 
@@ -119,10 +121,14 @@ def attention(
       traced (a per-layer window scanned over layers; `NO_WINDOW` for a global layer).
     alibi_slopes: None or float32 [num_heads] (`alibi_slopes(num_heads)` gives Falcon's), added as
       `slope[h] * (key position - query position)` to q.k before `sm_scale`.
+    fp8: the caches hold uint8 bits of values in this fp8 format (pallas_kernels/kv_cache.py); the
+      Mosaic GPU kernels do not read them.
     """
+    if fp8 is not None and backend.name == "mosaic":
+        raise ValueError(f"the Mosaic GPU kernels {_FP8_CACHE_REASON.removeprefix('it ')}")
     if backend.pure_decode:
         return _decode_step(q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, backend=backend,
-                            sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes)
+                            sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes, fp8=fp8)
     if backend.name == "mosaic":
         return mosaic_ragged_paged_attention(
             q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -132,17 +138,18 @@ def attention(
         return ragged_paged_attention(
             q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap, alibi_slopes=alibi_slopes, config=backend.config, interpret=backend.interpret,
+            fp8=fp8,
         )
     return ragged_paged_attention_reference(
         q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        alibi_slopes=alibi_slopes,
+        alibi_slopes=alibi_slopes, fp8=fp8,
     )
 
 
 def _decode_step(q: Float[Array, "T H D"], k_cache: Float[Array, "L N P K D"], v_cache: Float[Array, "L N P K D"],
                  layer: Int[Array, ""] | int, metadata: AttentionMetadata, *, sm_scale: float,
                  backend: AttentionBackend, sliding_window: Window, soft_cap: float | None,
-                 alibi_slopes: Float[Array, " H"] | None) -> Float[Array, "T H D"]:
+                 alibi_slopes: Float[Array, " H"] | None, fp8: str | None = None) -> Float[Array, "T H D"]:
     """A pure-decode step on the decode-only kernel: token s is sequence s's one query token (its
     position `context_lens[s] - 1`), so the first S rows of q are the kernel's queries; the padding
     tokens past them (a token bucket larger than the sequence bucket) get zeros, as padding
@@ -155,7 +162,7 @@ def _decode_step(q: Float[Array, "T H D"], k_cache: Float[Array, "L N P K D"], v
     if backend.name == "mosaic":
         out = mosaic_paged_decode_attention(*args, config=backend.mosaic_config, **options)
     else:
-        out = paged_decode_attention(*args, config=backend.decode_config, **options)
+        out = paged_decode_attention(*args, config=backend.decode_config, fp8=fp8, **options)
     if num_tokens >= num_seqs:
         return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
     return out[:num_tokens]
@@ -194,6 +201,7 @@ def resolve_attention_backend(
     sliding_window: int | None = None,
     alibi: bool = False,
     compute_capability: str | None = None,
+    kv_dtype: jnp.dtype | None = None,
 ) -> AttentionBackend:
     """The backend for an engine option on a platform (`jax.devices()[0].platform`).
 
@@ -213,6 +221,9 @@ def resolve_attention_backend(
       ALiBi); when given they are passed on to `self_check` as keyword arguments of the same names
       so the kernel is also checked on them (left out when not given, so a `self_check` that does
       not know them keeps working).
+    kv_dtype: the KV cache's dtype when it is not `dtype` (fp8): the Mosaic GPU kernels do not read an
+      fp8 cache (their wgmma takes bf16 / f16 pages straight from shared memory), so they are passed
+      over; the self-check is given it as `kv_dtype`.
     """
     if option not in ATTENTION_BACKEND_OPTIONS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_OPTIONS)}, got {option!r}")
@@ -222,6 +233,7 @@ def resolve_attention_backend(
     shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                   dtype=dtype)
     on_gpu = platform.lower() in _GPU_PLATFORMS
+    fp8_cache = kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype)
     if option == "auto":
         if not on_gpu:
             return REFERENCE
@@ -230,7 +242,7 @@ def resolve_attention_backend(
         logger.info("attention: %s (compute capability %s): trying %s", platform, compute_capability or "unknown",
                     ", then ".join(_LABEL[c] for c in candidates))
     else:
-        reason = supports(option, **shapes)
+        reason = supports(option, **shapes) or (_FP8_CACHE_REASON if option == "mosaic" and fp8_cache else None)
         if reason:
             raise ValueError(f"attention_backend={option!r} cannot serve this model: {reason}")
         if not on_gpu:
@@ -247,8 +259,11 @@ def resolve_attention_backend(
         shapes["sliding_window"] = sliding_window
     if alibi:
         shapes["alibi"] = True
+    if fp8_cache:
+        shapes["kv_dtype"] = kv_dtype
     for kernel in candidates:
-        reason = supports(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype)
+        reason = supports(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype) or \
+            (_FP8_CACHE_REASON if kernel == "mosaic" and fp8_cache else None)
         if reason:
             logger.warning("attention: the %s does not support this model (%s)", _LABEL[kernel], reason)
             continue

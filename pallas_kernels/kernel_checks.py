@@ -40,16 +40,20 @@ def supports_ragged_paged_attention(
 
 
 def validate_q_and_cache(q: Array, k_cache: Array, v_cache: Array, kernel: str,
-                         supports: Callable[..., str | None] = supports_ragged_paged_attention) -> None:
+                         supports: Callable[..., str | None] = supports_ragged_paged_attention,
+                         fp8: str | None = None) -> None:
     """Checks shared by the kernels' entry points: q [rows, H, D], caches [L, N, P, K, D] alike, one
-    dtype, and shapes the kernel supports (`supports(num_heads, num_kv_heads, head_dim, block_size,
+    dtype (an fp8 cache: uint8 bits of `fp8` values), and shapes the kernel supports (`supports(num_heads, num_kv_heads, head_dim, block_size,
     dtype)`: None or the reason; the Triton kernels' by default)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [rows, num_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must both be [num_layers, num_blocks, block_size, num_kv_heads, "
                          f"head_dim], got {k_cache.shape} and {v_cache.shape}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if fp8 is not None:
+        if k_cache.dtype != jnp.uint8 or v_cache.dtype != jnp.uint8:
+            raise ValueError(f"an fp8 ({fp8}) cache is stored as uint8 bits, got {k_cache.dtype}, {v_cache.dtype}")
+    elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.shape[-1] != q.shape[-1]:
         raise ValueError(f"head_dim of q ({q.shape[-1]}) and of the cache ({k_cache.shape[-1]}) differ")

@@ -53,6 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from paxserve.kernels.attention_args import Window, slopes_operand, window_operand
+from paxserve.kernels.kv_cache import fp8_view
 from paxserve.kernels.kernel_checks import (
     MIN_DOT,
     check_options,
@@ -116,6 +117,7 @@ def _kernel(
     soft_cap: float | None,
     windowed: bool,
     alibi: bool,
+    fp8: str | None = None,
 ):
     """refs, in order:
     scalars_ref  [2 or 3] int32: layer, number of real work items, and the window if `windowed`
@@ -179,6 +181,7 @@ def _kernel(
             where = (layer, pages[:, None], offsets[:, None], d[None, :])
             k = plgpu.load(k_ref.at[where], mask=load_mask, other=0)
             v = plgpu.load(v_ref.at[where], mask=load_mask, other=0)
+            k, v = (fp8_view(x, fp8).astype(q.dtype) for x in (k, v))  # fp8 bits widen here (scales act outside)
 
             scores = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_DOT_PRECISION
@@ -226,11 +229,12 @@ def _launch_shape(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
     return group, group_pad, block_q, kv_tokens
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret", "fp8"))
 def _ragged_paged_attention(
     q: Array, k_cache: Array, v_cache: Array, layer: Array, metadata: AttentionMetadata,
     sliding_window: Array | int | None, alibi_slopes: Array | None, *,
     sm_scale: float, soft_cap: float | None, config: RaggedPagedAttentionConfig, interpret: bool,
+    fp8: str | None = None,
 ) -> Array:
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -258,7 +262,7 @@ def _ragged_paged_attention(
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, group_pad=group_pad, kv_tokens=kv_tokens, sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap), windowed=window is not None,
-        alibi=slopes is not None,
+        alibi=slopes is not None, fp8=fp8,
     )
     head_inputs = ([full((num_heads,))], [slopes]) if slopes is not None else ([], [])
     in_specs = [full(scalars.shape), full(tables.shape), full((num_seqs,)), full((num_seqs + 1,)),
@@ -305,6 +309,7 @@ def ragged_paged_attention(
     alibi_slopes: Float[Array, " H"] | None = None,
     config: RaggedPagedAttentionConfig = RaggedPagedAttentionConfig(),
     interpret: bool = False,
+    fp8: str | None = None,
 ) -> Float[Array, "T H D"]:
     """Causal attention of each new token to its own sequence's cached context (Pallas/Triton).
 
@@ -318,7 +323,9 @@ def ragged_paged_attention(
 
     Args:
       q: [num_tokens, num_heads, head_dim] in float32, bfloat16 or float16.
-      k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim], q's dtype.
+      k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim], q's dtype, or
+        with `fp8` ("float8_e4m3fn" / "float8_e5m2") uint8 bits of values in that format, widened in the
+        kernel as they are loaded (pallas_kernels/kv_cache.py).
       layer: which layer of the stacked cache to read (int or int32 scalar, may be traced).
       metadata: the step's `AttentionMetadata` (slot_mapping and logits_indices are not used).
       sm_scale: score scale, usually head_dim ** -0.5 (static).
@@ -334,10 +341,10 @@ def ragged_paged_attention(
     Requirements: num_heads a multiple of num_kv_heads; head_dim a power of two >= 16; block_size a
     power of two. Raises ValueError otherwise (`supports_ragged_paged_attention` checks ahead).
     """
-    validate_q_and_cache(q, k_cache, v_cache, "ragged_paged_attention")
+    validate_q_and_cache(q, k_cache, v_cache, "ragged_paged_attention", fp8=fp8)
     _validate_metadata(metadata)
     window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "ragged_paged_attention")
     return _ragged_paged_attention(
         q, k_cache, v_cache, layer, metadata, window, alibi_slopes, sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret,
+        soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret, fp8=fp8,
     )

@@ -25,6 +25,7 @@ from paxserve.kernels.attention_args import (
     slopes_operand,
     window_operand,
 )
+from paxserve.kernels.kv_cache import fp8_view, to_cache_dtype
 from paxserve.kernels.metadata import NULL_BLOCK, AttentionMetadata
 
 # Cache positions gathered (as K and V) per loop iteration, over all its work items together:
@@ -47,8 +48,8 @@ def write_kv_reference(
     """Scatter the new tokens' K/V into their cache slots (padding slots land in null block 0)."""
     block_size = k_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache = k_cache.at[layer, blocks, offsets].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, blocks, offsets].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[layer, blocks, offsets].set(to_cache_dtype(k, k_cache.dtype))
+    v_cache = v_cache.at[layer, blocks, offsets].set(to_cache_dtype(v, v_cache.dtype))
     return k_cache, v_cache
 
 
@@ -63,6 +64,7 @@ def ragged_paged_attention_reference(
     sliding_window: Window = None,
     soft_cap: float | None = None,
     alibi_slopes: Float[Array, " H"] | None = None,
+    fp8: str | None = None,
 ) -> Float[Array, "T H D"]:
     """Causal attention of each new token to its own sequence's cached context.
 
@@ -130,8 +132,9 @@ def ragged_paged_attention_reference(
         c = first[qb] + w - (item_end[qb] - items_per_qb[qb])
         cols = jnp.clip(c[:, None] * chunk_pages + jnp.arange(chunk_pages, dtype=jnp.int32), 0, tables.shape[1] - 1)
         pages = tables[qb_seq[qb][:, None], cols]
-        k = k_cache[layer, pages].reshape(per_iter, chunk, num_kv_heads, head_dim)
-        v = v_cache[layer, pages].reshape(per_iter, chunk, num_kv_heads, head_dim)
+        # An fp8 cache's uint8 bits are viewed as values after the gather (pallas_kernels/kv_cache.py).
+        k = fp8_view(k_cache[layer, pages], fp8).reshape(per_iter, chunk, num_kv_heads, head_dim)
+        v = fp8_view(v_cache[layer, pages], fp8).reshape(per_iter, chunk, num_kv_heads, head_dim)
         key_pos = c[:, None] * chunk + span  # [I, chunk]
         qpos = pos[qb]  # [I, bq]
         mask = (key_pos[:, None, :] <= qpos[:, :, None]) & (qb_ok[qb] & (w < num_items)[:, None])[:, :, None]

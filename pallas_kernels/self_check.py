@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxserve.kernels.alibi import alibi_slopes
+from paxserve.kernels.kv_cache import fp8_bits
 from paxserve.kernels.metadata import NULL_BLOCK, AttentionMetadata
 from paxserve.kernels.reference import ragged_paged_attention_reference
 
@@ -36,7 +37,7 @@ _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 _MAX_REASON = 300
 # One jit for every check, so that checks of the same shapes (several backends, repeated checks)
 # compile the reference once.
-_reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale",))
+_reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "fp8"))
 
 
 def tolerance_for(dtype: jnp.dtype) -> float:
@@ -138,6 +139,7 @@ def self_check_attention(
     seed: int = 0,
     sliding_window: int | None = None,
     alibi: bool = False,
+    kv_dtype: jnp.dtype | None = None,
 ) -> str | None:
     """Run `attention(...)` on `backend` once on a small random paged batch with the model's shapes
     and compare it with `ragged_paged_attention_reference` on the same device.
@@ -146,6 +148,8 @@ def self_check_attention(
       traced window (capped to block_size + 1, so that the small batch really skips keys).
     alibi: the model uses ALiBi: checked once more with `alibi_slopes(num_heads)` (and the window,
       if given).
+    kv_dtype: the cache's dtype when it is not `dtype` (an fp8 cache): the kernel and the reference
+      read the same quantized pages.
 
     Returns None when the outputs of the real tokens agree in every variant (finite, and
     max|out - ref| / max|ref| below `tolerance_for(dtype)`), else a short reason for the first
@@ -158,12 +162,15 @@ def self_check_attention(
                                               decode=backend.pure_decode)
         dt = jnp.dtype(dtype)
         q, k_cache, v_cache = (jnp.asarray(x, dtype=dt) for x in (q_np, k_np, v_np))
+        fp8 = None if kv_dtype is None else jnp.dtype(kv_dtype).name
+        if fp8 is not None:
+            k_cache, v_cache = (fp8_bits(c, fp8) for c in (k_cache, v_cache))
         metadata = AttentionMetadata(*(jnp.asarray(x) for x in md_np))
         variants = _variants(num_heads, block_size, sliding_window, alibi)
     except Exception as error:  # noqa: BLE001 - the check must never raise
         return f"reference failed: {_describe(error)}"
     for label, kwargs in variants:
-        reason = _check_one(backend, q, k_cache, v_cache, metadata, n, head_dim, kwargs)
+        reason = _check_one(backend, q, k_cache, v_cache, metadata, n, head_dim, kwargs | {"fp8": fp8})
         if reason is not None:
             return f"{reason} (with {label})" if label else reason
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,6 +11,10 @@ BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the Pallas kernel on a GPU, the XLA reference on CPU (see pallas_kernels/dispatch.py).
 ATTENTION_BACKENDS = ("auto", "mosaic", "triton", "pallas", "reference")
+# `--quantization`: linear weights quantized at load (paxserve.models.quant_weights holds the formats).
+QUANTIZATION_METHODS = ("fp8", "int8")
+# `--kv-cache-dtype` (vLLM's names): "auto" = the model's dtype; "fp8" = fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # With no GPU, the KV cache lives in host memory; like vLLM's CPU backend, take a fixed budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
 
@@ -23,6 +28,41 @@ def no_hub_message(what: str, value: str) -> str:
     return (f"{what} {value!r}: paxserve has no model hub, so it cannot fetch a revision; download that revision "
             f"(e.g. `huggingface-cli download MODEL --revision {value} --local-dir DIR`) and pass its path")
 
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationCheck:
+    """The start-up numerics check of a quantized setting (paxserve/worker/quantization_check.py):
+    it passes when top-1 agreement with the unquantized model is >= `min_top1` and the mean KL
+    divergence is <= `max_kl` nats."""
+
+    min_top1: float = 0.90
+    max_kl: float = 0.10
+    enabled: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> "QuantizationCheck":
+        """"on" (the defaults), "off", or "top1=0.95,kl=0.05" (either or both)."""
+        value = str(text).strip().lower()
+        if value in ("on", ""):
+            return cls()
+        if value == "off":
+            return cls(enabled=False)
+        usage = f"quantization_check={text!r} is invalid: use 'on', 'off' or 'top1=F,kl=F' (top1 in [0, 1], kl >= 0)"
+        found: dict[str, float] = {}
+        for part in value.split(","):
+            key, sep, number = part.partition("=")
+            if not sep or key.strip() not in ("top1", "kl"):
+                raise ValueError(usage)
+            try:
+                found[key.strip()] = float(number)
+            except ValueError:
+                raise ValueError(usage) from None
+        default = cls()
+        top1, kl = found.get("top1", default.min_top1), found.get("kl", default.max_kl)
+        if not 0.0 <= top1 <= 1.0 or not kl >= 0.0 or math.isinf(kl):
+            raise ValueError(usage)
+        return cls(min_top1=top1, max_kl=kl)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +111,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     dtype: str = "auto"
+    # vLLM's --quantization: None, "fp8" or "int8" (linear weights quantized at load, per output channel).
+    quantization: str | None = None
+    # The start-up check of a quantized setting against the unquantized model: "on", "off", "top1=F,kl=F".
+    quantization_check: str = "on"
+    # vLLM's --kv-cache-dtype and --calculate-kv-scales: an fp8 cache holds one byte per value, with
+    # one scale per layer for K and for V, computed at start from fixed prompts or else 1.0.
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of each split by width
     # Where compiled step programs are stored for later starts: None = <cache dir>/programs, "" = nowhere.
@@ -112,7 +160,8 @@ class EngineConfig:
         """The settings every rank of a multi-host engine must agree on (the model's own shape is
         compared once it is read)."""
         names = ("max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
-                 "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype", "tensor_parallel_size",
+                 "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
+                 "calculate_kv_scales", "tensor_parallel_size",
                  "enable_expert_parallel", "attention_backend", "nnodes")
         return {name: getattr(self, name) for name in names}
 
@@ -138,6 +187,19 @@ class EngineConfig:
             raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be an integer >= 1")
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise _bad("quantization", self.quantization,
+                       f"must be None or one of {', '.join(QUANTIZATION_METHODS)} (quantized at load from a float "
+                       "checkpoint)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise _bad("calculate_kv_scales", self.calculate_kv_scales,
+                       "computes the scales of an fp8 KV cache, so it needs kv_cache_dtype fp8, fp8_e4m3 or fp8_e5m2")
+        try:
+            QuantizationCheck.parse(self.quantization_check)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.{e}") from None
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise _bad("tensor_parallel_size", self.tensor_parallel_size,
                        "must be an integer >= 1 (the model's heads and widths must divide by it; checked at start)")

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from paxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from paxserve.server import huge_pages
 from paxserve.server.parsers.reasoning import REASONING_PARSERS
 from paxserve.server.parsers.tool_calls import TOOL_PARSERS
@@ -118,6 +119,22 @@ def _dtype(text: str) -> str:
     return value
 
 
+def _add_quantization_flags(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                       help="quantize the linear weights of a float checkpoint at load, per output channel: fp8 "
+                            "(fp8 x fp8 matmuls on GPUs with fp8 tensor cores, weight-only elsewhere) or int8 "
+                            "(weight-only); embeddings, norms, the LM head and MoE routers keep their width")
+    group.add_argument("--quantization-check", default="on", metavar="on|off|top1=F,kl=F",
+                       help="at start, compare a quantized setting with the unquantized model on fixed prompts and "
+                            "refuse to start below the thresholds (default on: top-1 agreement >= 0.90, mean KL "
+                            "<= 0.10 nats)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                       help="KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, one byte per "
+                            "value with a scale per layer for K and V: twice the tokens of a bf16 cache")
+    group.add_argument("--calculate-kv-scales", action="store_true",
+                       help="compute the fp8 KV cache's per-layer scales at start from fixed prompts (default: 1.0)")
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser(
         "serve",
@@ -194,6 +211,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--dtype", type=_dtype, default="auto",
                      help="weights and activations: auto (the checkpoint's; float32 for GGUF), half/float16, "
                           "bfloat16, float/float32")
+    _add_quantization_flags(eng)
     eng.add_argument("--max-model-len", type=_model_len, default=None,
                      help="longest prompt + output in tokens (e.g. 4096, 4k, 4K); 'auto' or -1 = the largest "
                           "that fits in the KV cache; default: the model's context length")
@@ -331,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="longest prompt + output in tokens (default: the model's context length)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="weight and activation dtype (default: auto = the checkpoint's; float32 for GGUF)")
+    _add_quantization_flags(gen)
     gen.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                      help="tokens per KV-cache block (default 16)")
     gen.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
@@ -353,6 +372,8 @@ def _generate(args: argparse.Namespace) -> int:
                     attention_backend=args.attention_backend, tokenizer=args.tokenizer,
                     generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
                     tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1, warmup=False,
+                    quantization=args.quantization, quantization_check=args.quantization_check,
+                    kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                     log_stats_interval=0)
     if engine.tokenizer is None:
         raise ValueError(f"{engine.model.source} has no tokenizer, so text prompts cannot be encoded")

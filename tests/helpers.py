@@ -158,3 +158,4 @@ def compute_logits(runner: Any, batch: Any) -> np.ndarray:
     logits, runner.kv_cache = jitted_logits(runner.model.architecture.forward)(*runner.forward_args(batch),
                                                                                **runner.shapes.statics())
     return host_copy(logits)[: batch.num_seqs]
+

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
+import ml_dtypes
+import numpy as np
 
-from paxserve.config import EngineConfig
+from paxserve.config import EngineConfig, QuantizationCheck
 from paxserve.core.kv_cache_manager import KVCacheManager
 from paxserve.core.scheduler import Scheduler, SchedulerConfig
 from paxserve.distributed.cluster import Cluster, PlanChannel
@@ -29,11 +31,13 @@ from paxserve.engine.input_processor import InputProcessor
 from paxserve.engine.output_processor import OutputProcessor
 from paxserve.engine.stats import StatsLogger
 from paxserve.kernels import AttentionBackend, resolve_attention_backend
+from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
 from paxserve.models.loader import ModelInfo, cache_root, inspect_model, load_model
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, device_share, param_bytes
 from paxserve.worker.memory_plan import DeviceMemory, KVCachePlan, configure_allocator, device_memory, plan_kv_cache
 from paxserve.worker.model_runner import ModelRunner, zero_kv_cache
+from paxserve.worker.quantization_check import enforce, make_probe, run_check
 from paxserve.worker.sampling.sampler import SamplerState
 from paxserve.worker.step_functions import StepShapes, measure_activation_bytes
 
@@ -62,6 +66,7 @@ class EngineParts:
     input_processor: InputProcessor
     output_processor: OutputProcessor
     warmup_seconds: float = 0.0  # how long start-up compilation took (0 with warmup=False)
+    numerics_check: Any = None  # the start-up check of a quantized setting (a CheckResult), if it ran
 
     @property
     def tokenizer(self) -> Any:
@@ -106,9 +111,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # model's own file, which load_model returns.
     file_defaults = None if config.generation_config in GENERATION_CONFIG_MODES else \
         resolve_sampling_defaults(config.generation_config, {}, "")
-    info = inspect_model(config.model, config.dtype)
+    info = inspect_model(config.model, config.dtype, quantization=config.quantization)
     if channel is not None:
-        _check_same_model(channel, f"{info.config!r}|{info.dtype}")
+        _check_same_model(channel, f"{info.config!r}|{info.dtype}|{info.quantization!r}")
     # Checked before anything loads: a size the model cannot split fails naming the valid ones.
     tp = TensorParallel.create(info.config, config.tensor_parallel_size,
                                expert_parallel=config.enable_expert_parallel) \
@@ -116,18 +121,27 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # Memory is planned per device, from one device's share of the model (its heads, its slice of
     # every width, its KV heads): the host side then sees one cache of num_blocks blocks.
     local_cfg = info.config if tp is None else tp.local
+    kv_dtype = info.dtype if config.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[config.kv_cache_dtype]
     attention_backend = resolve_attention_backend(
         config.attention_backend, jax.devices()[0].platform, num_heads=local_cfg.num_heads,
         num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
         dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
-        compute_capability=getattr(jax.local_devices()[0], "compute_capability", None))
+        compute_capability=getattr(jax.local_devices()[0], "compute_capability", None), kv_dtype=kv_dtype)
     logger.info("attention: %s (%s)", attention_backend.describe(), attention_backend)
-    plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster)
-    # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU).
-    kv_zeroing = zero_kv_cache(local_cfg, plan.num_blocks, config.block_size, info.dtype) if tp is None else None
+    plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster, kv_dtype)
+    fp8_cache = kv_dtype != info.dtype
+    check = _plan_quantization_check(config, info, tp, fp8_cache)
+    keep_unquantized = check and info.quantization is not None
+    # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU);
+    # on an accelerator, not while the check's unquantized weights need the room.
+    early_kv = tp is None and (not keep_unquantized or jax.devices()[0].platform == "cpu")
+    kv_zeroing = zero_kv_cache(local_cfg, plan.num_blocks, config.block_size, kv_dtype) if early_kv else None
     model = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
                        tensor_parallel_size=config.tensor_parallel_size,
-                       enable_expert_parallel=config.enable_expert_parallel)
+                       enable_expert_parallel=config.enable_expert_parallel, quantization=config.quantization,
+                       keep_unquantized=keep_unquantized)
+    kv_scales, numerics_check = _quantized_numerics(config, model, attention_backend,
+                                                    kv_dtype if fp8_cache else None, check)
     # vLLM's --generation-config: defaults for the sampling fields a request leaves unset.
     sampling_defaults, defaults_line = file_defaults or resolve_sampling_defaults(
         config.generation_config, model.generation_config, model.source)
@@ -141,6 +155,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          attention_backend=attention_backend, max_num_seqs=config.max_num_seqs,
                          program_store=_program_store(config, cluster), background_compile=config.compile_in_background,
                          kv_cache=None if kv_zeroing is None else kv_zeroing.result(),
+                         kv_cache_dtype=kv_dtype, kv_scales=kv_scales,
                          plan_sink=channel.send if channel is not None and not is_worker else None)
     stats = StatsLogger(config.log_stats_interval)
     core = EngineCore(runner, kv, scheduler, model.config.vocab_size, stats,
@@ -153,9 +168,66 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     parts = EngineParts(config, cluster, channel, attention_backend, activation_bytes, plan, model, sampling_defaults,
                         max_num_batched_tokens, kv, scheduler, runner, stats, core, input_processor,
                         OutputProcessor(model.tokenizer))
+    parts.numerics_check = numerics_check
     if config.warmup:
         parts.warmup_seconds = _warmup(runner, config.max_num_seqs, max_num_batched_tokens)
     return parts
+
+
+def _plan_quantization_check(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None,
+                             fp8_cache: bool) -> bool:
+    """Whether the start-up numerics check runs: with a quantized setting (weights or KV cache),
+    unless turned off, and only where the unquantized weights fit beside the quantized ones (they
+    are dropped before the KV cache is made, so the plan need not count them)."""
+    if info.quantization is None and not fp8_cache:
+        return False
+    if not QuantizationCheck.parse(config.quantization_check).enabled:
+        logger.warning("quantization check off (--quantization-check off): the quantized setting is served "
+                       "without comparing it to the unquantized model")
+        return False
+    memory = _device_memory()
+    if memory is None or info.quantization is None:
+        return True
+    arch = get_architecture(info.config.architecture)
+    devices = 1 if tp is None else tp.size
+    need = (info.weight_bytes + param_bytes(arch.abstract_params(info.config, info.dtype))) / devices
+    usable = memory.usable(config.gpu_memory_utilization)
+    if need > usable:
+        logger.warning("quantization check skipped: the unquantized weights beside the quantized ones need %.1f GiB "
+                       "per device, more than the %.1f GiB usable; the %s model is served unchecked", need / 2**30,
+                       usable / 2**30, info.quantization.method)
+        return False
+    return True
+
+
+def _quantized_numerics(config: EngineConfig, model: Any, backend: AttentionBackend, fp8_cache: Any,
+                        check: bool) -> tuple[Any, Any]:
+    """The fp8 cache's scales (computed with --calculate-kv-scales, else 1.0) and the start-up check
+    of the quantized setting; returns (the scales or None, the check's result or None). The
+    check's unquantized weights are dropped here, before the KV cache is made."""
+    if fp8_cache is None and not check:
+        return None, None
+    probe = make_probe(model, backend)
+    kv_scales = None
+    if fp8_cache is not None and config.calculate_kv_scales:
+        kv_scales = probe.kv_scales(model.params, fp8_cache)
+        logger.info("fp8 KV cache scales from %d tokens of fixed text (--calculate-kv-scales): K %.3g-%.3g, "
+                    "V %.3g-%.3g over the layers", probe.positions, kv_scales[0].min(), kv_scales[0].max(),
+                    kv_scales[1].min(), kv_scales[1].max())
+    elif fp8_cache is not None:
+        logger.warning("fp8 KV cache with every K and V scale 1.0 (the checkpoint has none and "
+                       "--calculate-kv-scales is off): values past %g saturate and small ones lose precision",
+                       float(np.asarray(ml_dtypes.finfo(np.dtype(fp8_cache)).max)))
+    result = None
+    if check:
+        unquantized = model.params if model.unquantized_params is None else model.unquantized_params
+        result = run_check(probe, model.params, unquantized, fp8_cache, kv_scales)
+        model.unquantized_params = None  # its full-width weights go before the KV cache is made
+        what = ", ".join(filter(None, [
+            model.quantization.describe() if model.quantization is not None else None,
+            f"{np.dtype(fp8_cache).name} KV cache" if fp8_cache is not None else None]))
+        enforce(result, QuantizationCheck.parse(config.quantization_check), what)
+    return kv_scales, result
 
 
 def _join_cluster(config: EngineConfig, backend_running: bool) -> Cluster | None:
@@ -187,12 +259,12 @@ def _device_memory() -> DeviceMemory | None:
 
 
 def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None, backend: AttentionBackend,
-                 channel: PlanChannel | None, cluster: Cluster | None) -> tuple[KVCachePlan, int]:
+                 channel: PlanChannel | None, cluster: Cluster | None, kv_dtype: Any) -> tuple[KVCachePlan, int]:
     """The KV cache plan (and the activation bytes it reserved), before the weights load."""
     arch = get_architecture(info.config.architecture)
     local_cfg = info.config if tp is None else tp.local
     weight_bytes = info.weight_bytes if tp is None else param_bytes(device_share(
-        info.config, tp.size, lambda c: arch.abstract_params(c, info.dtype), tp.expert_parallel))
+        info.config, tp.size, lambda c: arch.abstract_params(c, info.dtype, info.quantization), tp.expert_parallel))
     memory = _device_memory()
     device_bytes = None if memory is None else memory.total_bytes
     if memory is not None:
@@ -203,7 +275,8 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
     if device_bytes is not None and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
         model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
             info.config.max_position_embeddings
-        shapes = StepShapes(info.config, arch, info.dtype, config.block_size, 2, config.max_num_seqs + 1, backend, tp)
+        shapes = StepShapes(info.config, arch, info.dtype, config.block_size, 2, config.max_num_seqs + 1, backend, tp,
+                            info.quantization, None if kv_dtype == info.dtype else kv_dtype)
         activation_bytes = measure_activation_bytes(
             shapes, config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
             -(-model_len // config.block_size))
@@ -220,15 +293,19 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
     logger.info("sampler state: %d rows x %d tokens = %.1f MiB%s", config.max_num_seqs + 1,
                 info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
     num_devices = 1 if tp is None else tp.size
-    plan = plan_kv_cache(local_cfg, config, info.dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
+    plan = plan_kv_cache(local_cfg, config, kv_dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
                          num_devices=num_devices, sampler_state_bytes=sampler_bytes,
                          pool_bytes=None if memory is None else memory.pool_bytes)
+    if kv_dtype.itemsize < info.dtype.itemsize:
+        logger.info("KV cache in %s: %d bytes per value instead of %d in %s, so %.1fx the tokens fit in the same "
+                    "memory (%d blocks of %d tokens)", kv_dtype.name, kv_dtype.itemsize, info.dtype.itemsize,
+                    info.dtype.name, info.dtype.itemsize / kv_dtype.itemsize, plan.num_blocks, config.block_size)
     if cluster is not None and channel is not None:
         # Every rank holds the same block ids: all take the smallest rank's plan.
         blocks = [int(b) for b in channel.gather("kv_blocks", str(plan.num_blocks))]
         if min(blocks) != plan.num_blocks:
             plan = plan_kv_cache(local_cfg, replace(config, num_gpu_blocks_override=min(blocks)),
-                                 info.dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
+                                 kv_dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
                                  num_devices=num_devices, sampler_state_bytes=sampler_bytes)
         logger.info("multi-host: node rank %d of %d; KV cache of %d blocks on every rank (the smallest plan, "
                     "node rank %d's; each planned %s)", cluster.rank, cluster.nnodes, plan.num_blocks,

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH, PromptLogprobsInputs
 from paxserve.core.scheduler import SchedulerOutput
 from paxserve.kernels import REFERENCE, AttentionBackend, KVCache
+from paxserve.kernels.kv_cache import is_fp8
 from paxserve.models.config import ModelConfig
 from paxserve.models.loader import LoadedModel
 from paxserve.worker.input_batch import InputBatch, PreparedStep
@@ -92,8 +93,11 @@ def zero_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: np.
     beside the weights' loading; JAX releases the GIL while it fills a buffer."""
     shape = KVCache.array_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     pool = ThreadPoolExecutor(2, thread_name_prefix="paxserve-kv-zero")
-    k, v = (pool.submit(jnp.zeros, shape, jnp.dtype(dtype)) for _ in range(2))
-    future = pool.submit(lambda: KVCache(k=k.result(), v=v.result()))
+    k, v = (pool.submit(jnp.zeros, shape, KVCache.storage_dtype(dtype)) for _ in range(2))
+    fp8 = (lambda: dict(k_scale=jnp.ones((cfg.num_layers,), jnp.float32),  # noqa: E731
+                        v_scale=jnp.ones((cfg.num_layers,), jnp.float32), fp8=np.dtype(dtype).name)) \
+        if is_fp8(dtype) else dict
+    future = pool.submit(lambda: KVCache(k=k.result(), v=v.result(), **fp8()))
     pool.shutdown(wait=False)
     return future
 
@@ -111,7 +115,9 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None,
                  attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256,
                  program_store: Path | None = None, background_compile: bool = False,
-                 kv_cache: KVCache | None = None, plan_sink: Callable[[tuple], None] | None = None) -> None:
+                 kv_cache: KVCache | None = None, plan_sink: Callable[[tuple], None] | None = None,
+                 kv_cache_dtype: np.dtype | None = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None
+                 ) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
@@ -132,10 +138,14 @@ class ModelRunner:
         # Row 0 is the all-zero row of requests without state; each running request may hold one more.
         self.num_state_rows = max_num_seqs + 1
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, cfg.vocab_size)
-        self.kv_cache = self._new_kv_cache() if kv_cache is None else self._checked_kv_cache(kv_cache)
+        # The cache's dtype (the model's, or fp8) and, for fp8, its per-layer (K, V) scales.
+        self.kv_dtype = np.dtype(model.dtype if kv_cache_dtype is None else kv_cache_dtype)
+        self._kv_scales = kv_scales
+        self.kv_cache = self._new_kv_cache() if kv_cache is None else self._scaled(self._checked_kv_cache(kv_cache))
         self.sampler_state = self._new_sampler_state()
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
-                                 self.num_state_rows, attention_backend, model.tp)
+                                 self.num_state_rows, attention_backend, model.tp, model.quantization,
+                                 None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype)
         common = "|".join([environment_fingerprint(), source_fingerprint()])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),
@@ -148,23 +158,34 @@ class ModelRunner:
         self._all_allowed: dict[int, jax.Array] = {}  # the bitmask of steps without constrained rows, by S
         self._plan_sink = plan_sink
 
+    def _scaled(self, cache: KVCache) -> KVCache:
+        """An fp8 cache with its calibrated per-layer scales (a new cache's are 1.0)."""
+        if self._kv_scales is None:
+            return cache
+        place = {} if self.model.tp is None else {"device": self.model.tp.replicated}
+        k_scale, v_scale = (jax.device_put(np.asarray(s, np.float32), **place) for s in self._kv_scales)
+        return cache.replace(k_scale=k_scale, v_scale=v_scale)
+
     def _new_kv_cache(self) -> KVCache:
+        return self._scaled(self._zeroed_kv_cache())
+
+    def _zeroed_kv_cache(self) -> KVCache:
         cfg, tp = self.model.config, self.model.tp
         if tp is None:
             return KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                 jnp.dtype(self.model.dtype))
+                                 self.kv_dtype)
         # Made in place on the mesh (each device zeroes only its KV heads), never whole on one device.
         heads = tp.num_kv_heads_stored
         make = lambda: KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, heads,  # noqa: E731
-                                     cfg.head_dim, jnp.dtype(self.model.dtype))
-        return jax.jit(make, out_shardings=KVCache(k=tp.kv_sharding, v=tp.kv_sharding))()
+                                     cfg.head_dim, self.kv_dtype)
+        return jax.jit(make, out_shardings=tp.kv_cache_shardings(jax.eval_shape(make)))()
 
     def _checked_kv_cache(self, kv_cache: KVCache) -> KVCache:
         cfg = self.model.config
         if self.model.tp is not None:
             raise ValueError("a KV cache made beforehand is only taken without tensor parallelism")
         shape = KVCache.array_shape(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = jnp.dtype(self.model.dtype)
+        dtype = KVCache.storage_dtype(self.kv_dtype)
         for name, leaf in (("k", kv_cache.k), ("v", kv_cache.v)):
             if leaf.shape != shape or leaf.dtype != dtype:
                 raise ValueError(f"kv_cache.{name} must be {dtype.name}{list(shape)} for this model and plan, "

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
+from paxserve.kernels.kv_cache import is_fp8
 from paxserve.models.sharding import TensorParallel
 from paxserve.sampling_params import MAX_LOGPROBS
 from paxserve.worker.sampling.host_inputs import PACKED_WIDTH, bitmask_width
@@ -43,8 +44,9 @@ STATIC = ("cfg", "attention_backend", "tp")
 FORWARD_KINDS = ("forward", "decode", "all_logits")
 
 
-def _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
-                 attention_backend: AttentionBackend, tp: TensorParallel | None):
+def run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
+                attention_backend: AttentionBackend, tp: TensorParallel | None):
+    """The model's forward on one device, or split over the mesh under tensor parallelism."""
     if tp is None:
         return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend)
     return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend)(
@@ -60,7 +62,7 @@ def jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
     def logits(params, kv_cache, input_ids, positions, metadata, last_token, token_source, cfg,  # noqa: ANN001, ANN202
                attention_backend=REFERENCE, tp=None):  # noqa: ANN001
         input_ids = _with_last_tokens(input_ids, last_token, token_source)
-        return _run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp)
+        return run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp)
 
     return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
 
@@ -81,7 +83,7 @@ def jitted_all_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
                cfg, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
         input_ids = _with_last_tokens(input_ids, last_token, token_source)
         every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
-        return _run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp)
+        return run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp)
 
     return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
 
@@ -130,20 +132,26 @@ class StepShapes:
     num_state_rows: int
     attention_backend: AttentionBackend = REFERENCE
     tp: TensorParallel | None = None
+    quantization: Any = None  # the WeightQuantization the linear weights were loaded with, if any
+    kv_dtype: Any = None  # the KV cache's dtype when it is not the model's (fp8)
 
     @property
     def _replicated(self) -> Any:
         return None if self.tp is None else self.tp.replicated
 
     def params(self) -> Any:
-        make = lambda c: self.architecture.abstract_params(c, self.dtype)  # noqa: E731
+        make = lambda c: self.architecture.abstract_params(c, self.dtype, self.quantization)  # noqa: E731
         return make(self.cfg) if self.tp is None else self.tp.abstract_params(make)
 
     def kv_cache(self) -> KVCache:
         heads = self.cfg.num_kv_heads if self.tp is None else self.tp.num_kv_heads_stored
         shape = (self.cfg.num_layers, self.num_blocks, self.block_size, heads, self.cfg.head_dim)
         sharding = None if self.tp is None else self.tp.kv_sharding
-        return KVCache(k=_shape(shape, self.dtype, sharding), v=_shape(shape, self.dtype, sharding))
+        dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
+        stored = KVCache.storage_dtype(dtype)
+        fp8 = {} if not is_fp8(dtype) else {name: _shape((self.cfg.num_layers,), jnp.float32, self._replicated)
+                                             for name in ("k_scale", "v_scale")} | {"fp8": np.dtype(dtype).name}
+        return KVCache(k=_shape(shape, stored, sharding), v=_shape(shape, stored, sharding), **fp8)
 
     def sampler_state(self) -> SamplerState:
         r, v, w = self.num_state_rows, self.cfg.vocab_size, bitmask_width(self.cfg.vocab_size)
@@ -176,7 +184,7 @@ class StepShapes:
         config, dtype and split, the number of state rows; the forward's cache shape and attention
         backend."""
         tp = None if self.tp is None else (self.tp.size, self.tp.expert_parallel)
-        common = f"{self.cfg!r}|{self.dtype}|{tp!r}|{kind}"
+        common = f"{self.cfg!r}|{self.dtype}|{self.quantization!r}|{self.kv_dtype}|{tp!r}|{kind}"
         if kind in FORWARD_KINDS:
             return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"

@@ -50,8 +50,8 @@ def test_gate_and_up_are_split_so_each_device_holds_its_slice_of_both() -> None:
     first, second = np.split(tp.reorder("layers.up_w", up)[0], 2, axis=1)
     assert first[0].tolist() == [0, 1, 4, 5] and second[0].tolist() == [2, 3, 6, 7]
     assert tp.reorder("layers.o_w", up) is up  # row-parallel fields keep their order
-    assert tp.spec("layers.o_w", 3) == jax.sharding.PartitionSpec(None, "tp", None)
-    assert tp.spec("layers.attn_norm", 2) == jax.sharding.PartitionSpec()
+    assert tp.spec("layers.o_w", (2, 64, 32)) == jax.sharding.PartitionSpec(None, "tp", None)
+    assert tp.spec("layers.attn_norm", (2, 32)) == jax.sharding.PartitionSpec()
 
 
 @pytest.mark.parametrize("overrides,size,mentions", [

@@ -1,0 +1,123 @@
+"""Weights kept quantized on the device, and the matmul that reads them.
+
+A `QuantizedWeight` stands wherever the decoder has a linear weight `[..., in, out]`: `q` holds
+the quantized values in the same layout (so layer stacking, `lax.scan`, expert slicing and the
+tensor-parallel split treat it as they treat the full-width array) and `scale` one float32 per
+output channel, `[..., 1, out]` (the size-1 axis stands where `in` is, so one sharding rule
+covers both leaves). The matmul dequantizes inside the product: the per-channel scale commutes
+with the contraction over `in`, so it is applied to the float32 result, never to a full-width
+copy of the weight.
+
+Methods (vLLM's names): "int8", weight-only on every backend; "fp8" (float8_e4m3fn), on GPUs with
+fp8 tensor cores (compute capability 8.9+) an fp8 x fp8 product with a dynamic per-token scale of
+the activations, elsewhere weight-only like int8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Float
+
+QUANTIZATION_METHODS = ("fp8", "int8")
+_STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+_QMAX = {"int8": 127.0, "fp8": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)}  # 448
+FP8_MAX = _QMAX["fp8"]
+# The smallest compute capability with fp8 tensor cores (Ada, Hopper and later).
+FP8_COMPUTE_CAPABILITY = 8.9
+
+
+@struct.dataclass
+class QuantizedWeight:
+    """A linear weight as `q * scale` (per output channel); see the module docstring."""
+
+    q: Any  # [..., in, out] int8 or float8_e4m3fn
+    scale: Any  # [..., 1, out] float32
+    fp8_activations: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> Array:
+        """The full-width weight (tests and references; the serving path never builds it)."""
+        return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+def quantized_matmul(x: Float[Array, "T I"], w: QuantizedWeight) -> Float[Array, "T O"]:
+    """x @ (q * scale) accumulated in float32, returned in float32 (the caller rounds once)."""
+    scale = w.scale.reshape(w.scale.shape[-1])
+    if w.fp8_activations:
+        # Dynamic per-token scale: each row of x is scaled so its largest magnitude is fp8's max.
+        x32 = x.astype(jnp.float32)
+        row_scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True), 1e-12) / FP8_MAX
+        xq = (x32 / row_scale).astype(jnp.float8_e4m3fn)
+        y = jnp.dot(xq, w.q, preferred_element_type=jnp.float32)
+        return y * row_scale * scale
+    y = jnp.dot(x, w.q.astype(x.dtype), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y * scale
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """How linear weights are quantized at load: `method` and whether the matmul quantizes the
+    activations too (fp8 on a GPU that has fp8 tensor cores)."""
+
+    method: str
+    fp8_activations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.method!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.fp8_activations and self.method != "fp8":
+            raise ValueError("fp8 activations go with fp8 weights only")
+
+    @classmethod
+    def for_device(cls, method: str, platform: str, compute_capability: str | float | None) -> "WeightQuantization":
+        """fp8 x fp8 products where the device has fp8 tensor cores, weight-only elsewhere."""
+        fp8_cores = platform == "gpu" and compute_capability is not None and \
+            float(compute_capability) >= FP8_COMPUTE_CAPABILITY
+        return cls(method, fp8_activations=method == "fp8" and fp8_cores)
+
+    @property
+    def storage(self) -> np.dtype:
+        return _STORAGE[self.method]
+
+    def describe(self) -> str:
+        how = "fp8 x fp8 matmuls with per-token activation scales" if self.fp8_activations else \
+            "weight-only (dequantized inside each matmul)"
+        return f"{self.method} weights, one float32 scale per output channel, {how}"
+
+    def quantize(self, w: np.ndarray) -> QuantizedWeight:
+        """Host quantization of `[..., in, out]` (numpy leaves): scale = max |w| over `in` / the
+        format's max, so every channel uses the whole range; an all-zero channel gets scale 1."""
+        w32 = np.asarray(w, np.float32)
+        amax = np.max(np.abs(w32), axis=-2, keepdims=True)
+        scale = np.where(amax > 0, amax / _QMAX[self.method], 1.0).astype(np.float32)
+        scaled = w32 / scale
+        if self.method == "int8":
+            q = np.clip(np.rint(scaled), -127, 127).astype(np.int8)
+        else:
+            q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(self.storage)
+        return QuantizedWeight(q=q, scale=scale, fp8_activations=self.fp8_activations)
+
+    def abstract(self, shape: tuple[int, ...]) -> QuantizedWeight:
+        """ShapeDtypeStructs of a quantized `[..., in, out]` weight."""
+        return QuantizedWeight(q=jax.ShapeDtypeStruct(shape, self.storage),
+                               scale=jax.ShapeDtypeStruct((*shape[:-2], 1, shape[-1]), np.float32),
+                               fp8_activations=self.fp8_activations)
+
+
+def is_quantized(w: Any) -> bool:
+    return isinstance(w, QuantizedWeight)
