@@ -33,7 +33,11 @@ killed at its own limit):
      are judged (>= 70% of the copy bandwidth, >= 1.0x JAX's own Pallas paged attention; Triton's,
      the first choice, fails the check when it misses), beside the ragged kernels of mixed steps.
                                                                              ~110 s (limit 120 each)
-  d  the MoE layer at Mixtral-8x7B shapes (gpu_check_moe.py).                 ~65 s (limit 120)
+  q  quantization (gpu_check_quant.py): one decode step's linear layers at Llama-3-8B shapes with
+     bfloat16, int8, fp8 and fp8 x fp8 weights, and the Triton decode kernel on an fp8 KV cache
+     against a bfloat16 one, next to the copy bandwidth.                       ~60 s (guess; limit 150)
+  d  the MoE layer at Mixtral-8x7B shapes (gpu_check_moe.py); measured on 2026-12-04, so not in
+     the default run (`--only d`).                                              ~65 s (limit 120)
 
 Exit status: 0 when every row passed or only informs; 1 when a row failed, errored or timed out;
 3 when there is no GPU (real run) and nothing was measured.
@@ -68,10 +72,11 @@ from benchmarks.gpu_check_cases import (  # noqa: E402
 )
 from benchmarks.gpu_check_common import ROW_PREFIX, append_row, read_rows  # noqa: E402
 
-PARTS = "tpacbd"
-EXPECTED_S = {"t": 27, "p": 9, "a": 70, "c": 130, "b": 110, "d": 65}  # on one H200, 2026-12-04
-LIMIT_S = {"t": 90, "p": 90, "a": 150, "c": 270, "b": 120, "d": 120}
-DEFAULT_BUDGET_S = 450.0  # the measured parts (411 s) and some slack, inside the shell's 480 s backstop
+PARTS = "tpacbqd"  # every part, in the order they run
+DEFAULT_PARTS = "tpacbq"
+EXPECTED_S = {"t": 27, "p": 9, "a": 70, "c": 130, "b": 110, "q": 60, "d": 65}  # on one H200, 2026-12-04 (q: a guess)
+LIMIT_S = {"t": 90, "p": 90, "a": 150, "c": 270, "b": 120, "q": 150, "d": 120}
+DEFAULT_BUDGET_S = 450.0  # the default parts (406 s) and some slack, inside the shell's 480 s backstop
 SMOKE_LIMIT_S = 600  # a CPU interprets the kernels and compiles slowly; the test bounds the whole run
 
 
@@ -216,6 +221,8 @@ class Check:
             self.run([Job(f"timing {f}", "b", ["benchmarks/gpu_check_kernels.py", "timing", f], no_prealloc)
                       for f in TIMING_FAMILIES], self.jobs if self.smoke else 1)
             self.judge_kernels()
+        if "q" in only and self.fits("q"):
+            self.run([Job("quantization", "q", ["benchmarks/gpu_check_quant.py"], no_prealloc)], 1)
         if "d" in only and self.fits("d"):
             self.run([Job("moe", "d", ["benchmarks/gpu_check_moe.py"], no_prealloc)], 1)
 
@@ -288,7 +295,8 @@ def main() -> None:
                     "else a new temporary folder)")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds: a part that would not fit is skipped")
     ap.add_argument("--jobs", type=int, help="kernel cases run at a time (default 4; 2 with --smoke)")
-    ap.add_argument("--only", default=PARTS, help=f"parts to run, e.g. 't,c' (default: all of {PARTS})")
+    ap.add_argument("--only", default=DEFAULT_PARTS, help=f"parts to run, e.g. 't,c' (default: {DEFAULT_PARTS}; "
+                    f"all: {PARTS})")
     args = ap.parse_args()
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu_check-")))
     out.mkdir(parents=True, exist_ok=True)

@@ -155,3 +155,28 @@ def add_repo_to_path() -> None:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.append(root)
+
+
+def run_part(part: str, doc: str | None, measures: list[Callable[..., None]]) -> None:
+    """A part process's main: `--smoke` and `--rows`, then each `measure(smoke, row, timed, copy
+    bandwidth or None)` in turn, `row(part, check, result, note)` marking FAIL rows as failed and
+    PASS rows as passed; a measure that raises leaves an error row and the next one still runs."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--rows", type=Path)
+    args = ap.parse_args()
+    rows = Rows(args.rows, part)
+
+    def row(_part: str, what: str, result: str, note: str = "") -> None:
+        rows(what, result, note, status="fail" if result.startswith("FAIL") else "pass" if result == "PASS"
+             else "info")
+
+    for measure in measures:
+        try:
+            measure(args.smoke, row, timed, rows.value("copy_bw"))
+        except Exception as e:  # noqa: BLE001 - one measurement failing must not hide the next
+            if len(measures) == 1:
+                raise
+            rows(measure.__name__, "ERROR", one_line(e), status="error")

@@ -8,7 +8,6 @@ could replace the tiled scan (models/moe.py explains why it does not on CPU)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -79,18 +78,9 @@ def part_d(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None)
 
 def main() -> None:
     """One gpu_check process: part (d) with its rows in the run's rows file."""
-    from benchmarks.gpu_check_common import Rows, timed
+    from benchmarks.gpu_check_common import run_part
 
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--rows", type=Path)
-    args = ap.parse_args()
-    rows = Rows(args.rows, "d")
-
-    def row(part: str, what: str, result: str, note: str = "") -> None:
-        rows(what, result, note, status="fail" if result.startswith("FAIL") else "info")
-
-    part_d(args.smoke, row, timed, rows.value("copy_bw"))
+    run_part("d", __doc__, [part_d])
 
 
 if __name__ == "__main__":

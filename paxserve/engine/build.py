@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
-import ml_dtypes
-import numpy as np
 
-from paxserve.config import EngineConfig, QuantizationCheck
+from paxserve.config import EngineConfig
 from paxserve.core.kv_cache_manager import KVCacheManager
 from paxserve.core.scheduler import Scheduler, SchedulerConfig
 from paxserve.distributed.cluster import Cluster, PlanChannel
@@ -28,6 +26,7 @@ from paxserve.engine.chat_template.pool import RenderPool
 from paxserve.engine.engine_core import EngineCore
 from paxserve.engine.generation_config import GENERATION_CONFIG_MODES, resolve_sampling_defaults
 from paxserve.engine.input_processor import InputProcessor
+from paxserve.engine.numerics import NumericsPlan
 from paxserve.engine.output_processor import OutputProcessor
 from paxserve.engine.stats import StatsLogger
 from paxserve.kernels import AttentionBackend, resolve_attention_backend
@@ -37,7 +36,6 @@ from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, device_share, param_bytes
 from paxserve.worker.memory_plan import DeviceMemory, KVCachePlan, configure_allocator, device_memory, plan_kv_cache
 from paxserve.worker.model_runner import ModelRunner, zero_kv_cache
-from paxserve.worker.quantization_check import enforce, make_probe, run_check
 from paxserve.worker.sampling.sampler import SamplerState
 from paxserve.worker.step_functions import StepShapes, measure_activation_bytes
 
@@ -130,8 +128,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     logger.info("attention: %s (%s)", attention_backend.describe(), attention_backend)
     plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster, kv_dtype)
     fp8_cache = kv_dtype != info.dtype
-    check = _plan_quantization_check(config, info, tp, fp8_cache)
-    keep_unquantized = check and info.quantization is not None
+    numerics = NumericsPlan.make(config, info, tp, fp8_cache, _device_memory())
+    keep_unquantized = numerics.needs_unquantized
     # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU);
     # on an accelerator, not while the check's unquantized weights need the room.
     early_kv = tp is None and (not keep_unquantized or jax.devices()[0].platform == "cpu")
@@ -140,8 +138,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        tensor_parallel_size=config.tensor_parallel_size,
                        enable_expert_parallel=config.enable_expert_parallel, quantization=config.quantization,
                        keep_unquantized=keep_unquantized)
-    kv_scales, numerics_check = _quantized_numerics(config, model, attention_backend,
-                                                    kv_dtype if fp8_cache else None, check)
+    kv_scales, numerics_check = numerics.run(model, attention_backend)
     # vLLM's --generation-config: defaults for the sampling fields a request leaves unset.
     sampling_defaults, defaults_line = file_defaults or resolve_sampling_defaults(
         config.generation_config, model.generation_config, model.source)
@@ -172,62 +169,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.warmup:
         parts.warmup_seconds = _warmup(runner, config.max_num_seqs, max_num_batched_tokens)
     return parts
-
-
-def _plan_quantization_check(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None,
-                             fp8_cache: bool) -> bool:
-    """Whether the start-up numerics check runs: with a quantized setting (weights or KV cache),
-    unless turned off, and only where the unquantized weights fit beside the quantized ones (they
-    are dropped before the KV cache is made, so the plan need not count them)."""
-    if info.quantization is None and not fp8_cache:
-        return False
-    if not QuantizationCheck.parse(config.quantization_check).enabled:
-        logger.warning("quantization check off (--quantization-check off): the quantized setting is served "
-                       "without comparing it to the unquantized model")
-        return False
-    memory = _device_memory()
-    if memory is None or info.quantization is None:
-        return True
-    arch = get_architecture(info.config.architecture)
-    devices = 1 if tp is None else tp.size
-    need = (info.weight_bytes + param_bytes(arch.abstract_params(info.config, info.dtype))) / devices
-    usable = memory.usable(config.gpu_memory_utilization)
-    if need > usable:
-        logger.warning("quantization check skipped: the unquantized weights beside the quantized ones need %.1f GiB "
-                       "per device, more than the %.1f GiB usable; the %s model is served unchecked", need / 2**30,
-                       usable / 2**30, info.quantization.method)
-        return False
-    return True
-
-
-def _quantized_numerics(config: EngineConfig, model: Any, backend: AttentionBackend, fp8_cache: Any,
-                        check: bool) -> tuple[Any, Any]:
-    """The fp8 cache's scales (computed with --calculate-kv-scales, else 1.0) and the start-up check
-    of the quantized setting; returns (the scales or None, the check's result or None). The
-    check's unquantized weights are dropped here, before the KV cache is made."""
-    if fp8_cache is None and not check:
-        return None, None
-    probe = make_probe(model, backend)
-    kv_scales = None
-    if fp8_cache is not None and config.calculate_kv_scales:
-        kv_scales = probe.kv_scales(model.params, fp8_cache)
-        logger.info("fp8 KV cache scales from %d tokens of fixed text (--calculate-kv-scales): K %.3g-%.3g, "
-                    "V %.3g-%.3g over the layers", probe.positions, kv_scales[0].min(), kv_scales[0].max(),
-                    kv_scales[1].min(), kv_scales[1].max())
-    elif fp8_cache is not None:
-        logger.warning("fp8 KV cache with every K and V scale 1.0 (the checkpoint has none and "
-                       "--calculate-kv-scales is off): values past %g saturate and small ones lose precision",
-                       float(np.asarray(ml_dtypes.finfo(np.dtype(fp8_cache)).max)))
-    result = None
-    if check:
-        unquantized = model.params if model.unquantized_params is None else model.unquantized_params
-        result = run_check(probe, model.params, unquantized, fp8_cache, kv_scales)
-        model.unquantized_params = None  # its full-width weights go before the KV cache is made
-        what = ", ".join(filter(None, [
-            model.quantization.describe() if model.quantization is not None else None,
-            f"{np.dtype(fp8_cache).name} KV cache" if fp8_cache is not None else None]))
-        enforce(result, QuantizationCheck.parse(config.quantization_check), what)
-    return kv_scales, result
 
 
 def _join_cluster(config: EngineConfig, backend_running: bool) -> Cluster | None:

@@ -1,4 +1,5 @@
 """The start-up numerics check of a quantized configuration: does it still answer like the model?
+(paxserve/engine/numerics.py decides when it runs and remembers its outcome.)
 
 A few fixed prompts run through the serving configuration (quantized weights) and through the
 same model unquantized, on the same device and attention backend, as one prefill step with logits
@@ -123,9 +124,13 @@ class Probe:
         return np.asarray(jax.device_get(logits), np.float32), cache
 
     def kv_scales(self, params: Any, kv_dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Per-layer K and V scales for an fp8 cache (vLLM's --calculate-kv-scales): each layer's
-        largest |K| and |V| over the prompts, mapped to the format's largest value."""
-        _, cache = self.prefill(params)
+        """Per-layer K and V scales for an fp8 cache (vLLM's --calculate-kv-scales) from a prefill
+        of the prompts with `params`."""
+        return self.scales_from(self.prefill(params)[1], kv_dtype)
+
+    @staticmethod
+    def scales_from(cache: KVCache, kv_dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Each layer's largest |K| and |V| in a full-width cache, mapped to the fp8 format's largest value."""
         limit = float(ml_dtypes.finfo(np.dtype(kv_dtype)).max)
 
         def per_layer(x: jax.Array) -> np.ndarray:

@@ -251,5 +251,19 @@ def test_engine_plans_four_times_the_blocks_for_an_fp8_cache_of_a_float32_model(
     params = SamplingParams(temperature=0.0, max_tokens=6)
     got = fp8.generate([_prompts()[1]], params)[0].outputs[0].token_ids
     assert len(got) == 6
+    # A restart of the same setting reads the stored outcome (figures and scales) instead of
+    # running the check again, and still applies the thresholds to it.
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        again = Engine(str(tiny), kv_cache_memory_bytes=budget, kv_cache_dtype="fp8", calculate_kv_scales=True,
+                       quantization_check="top1=0.8,kl=0.05", warmup=False, compilation_cache_dir="",
+                       log_stats_interval=0)
+    assert "its stored figures are used" in caplog.text and again.parts.numerics_check == fp8.parts.numerics_check
+    assert np.array_equal(np.asarray(again.parts.runner.kv_cache.k_scale), np.asarray(fp8.parts.runner.kv_cache.k_scale))
+    assert again.generate([_prompts()[1]], params)[0].outputs[0].token_ids == got
+    with pytest.raises(ValueError, match="quantization check failed"):
+        Engine(str(tiny), kv_cache_memory_bytes=budget, kv_cache_dtype="fp8", calculate_kv_scales=True,
+               quantization_check="top1=0.8,kl=0.0000001", warmup=False, compilation_cache_dir="",
+               log_stats_interval=0)
     with pytest.raises(ValueError, match="calculate_kv_scales=True is invalid: computes the scales of an fp8"):
         EngineConfig(calculate_kv_scales=True)

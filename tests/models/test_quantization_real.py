@@ -6,7 +6,6 @@ few percent, and a deliberately wrong scale fails the check at its default thres
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +33,7 @@ TEXT = (
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Engine]:
     directory = export_gguf_as_hf(default_model_path(), tmp_path_factory.mktemp("smollm2-f32"), "float32")
-    common = dict(kv_cache_memory_bytes=2**28, warmup=False, compilation_cache_dir="", log_stats_interval=0)
+    common = dict(kv_cache_memory_bytes=2**28, max_model_len=1024, warmup=False, compilation_cache_dir="", log_stats_interval=0)
     full = Engine(str(directory), **common)
     quantized = Engine(str(directory), quantization="int8", kv_cache_dtype="fp8", calculate_kv_scales=True, **common)
     return full, quantized

@@ -1,0 +1,127 @@
+"""Part (q) of gpu_check: quantization on the GPU.
+
+- The linear layers of one decode step at Llama-3-8B shapes (32 layers of q/k/v, o, gate/up and down
+  projections, random weights made on the device), for a batch of 1, 16 and 64 tokens: bfloat16,
+  int8 weight-only, fp8 weight-only and fp8 x fp8 with per-token activation scales (the path
+  `--quantization fp8` takes on Hopper), each next to the time its weight bytes take at the measured
+  copy bandwidth; correctness of each against the same product on the dequantized weights.
+- The Triton decode-only kernel on an fp8 KV cache (uint8 bits, 64 sequences x 4k context, 32 query
+  and 8 KV heads of 128) against the same kernel on a bfloat16 cache, and against the XLA reference
+  on the same fp8 pages.
+
+4-bit weights (GGUF kept quantized, AWQ/GPTQ) are not served yet, so they are not timed here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+# Last, for `benchmarks.*`: paxserve comes from gpu_check.sh's PYTHONPATH (benchmarks/checkout.py).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from paxserve.kernels.kv_cache import fp8_bits
+from paxserve.models.layers import dense
+from paxserve.models.quant_weights import QuantizedWeight
+
+Row = Callable[..., None]
+FP8 = "float8_e4m3fn"
+
+
+def _quantized(w: jax.Array, method: str, fp8_activations: bool = False) -> QuantizedWeight:
+    """Per-output-channel quantization on the device (the loader does the same on the host)."""
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=-2, keepdims=True)
+    qmax = 127.0 if method == "int8" else 448.0
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    scaled = w.astype(jnp.float32) / scale
+    q = jnp.clip(jnp.rint(scaled), -127, 127).astype(jnp.int8) if method == "int8" else \
+        jnp.clip(scaled, -448, 448).astype(jnp.float8_e4m3fn)
+    return QuantizedWeight(q=q, scale=scale, fp8_activations=fp8_activations)
+
+
+def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None) -> None:
+    hidden, inter, layers = (64, 128, 2) if smoke else (4096, 14336, 32)
+    q_out = hidden + 2 * (hidden // 4)  # 32 query heads, 8 KV heads
+    shapes = {"qkv": (hidden, q_out), "o": (hidden, hidden), "up": (hidden, 2 * inter), "down": (inter, hidden)}
+    key = jax.random.key(1)
+    weights = {name: (jax.random.normal(jax.random.fold_in(key, i), (layers, *s), jnp.float32) / np.sqrt(s[0])
+                      ).astype(jnp.bfloat16) for i, (name, s) in enumerate(shapes.items())}
+
+    def step(ws: dict[str, Any], x: jax.Array) -> jax.Array:
+        def layer(h: jax.Array, w: dict[str, Any]) -> tuple[jax.Array, None]:
+            # The four products of a layer in sequence (the attention and the activation left out).
+            a = dense(h, w["qkv"])[:, :hidden]
+            h = h + dense(a, w["o"])
+            u = dense(h, w["up"])[:, :inter]
+            return h + dense(u, w["down"]) * 0.1, None
+
+        return jax.lax.scan(layer, x, ws)[0]
+
+    run = jax.jit(step)
+    settings = {"bfloat16": weights}
+    for label, method, act in (("int8 weight-only", "int8", False), ("fp8 weight-only", "fp8", False),
+                               ("fp8 x fp8", "fp8", True)):
+        settings[label] = {n: jax.jit(_quantized, static_argnums=(1, 2))(w, method, act) for n, w in weights.items()}
+    nbytes = {label: sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(ws)) for label, ws in settings.items()}
+    for tokens in (4,) if smoke else (1, 16, 64):
+        x = (jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, hidden)) * 0.5).astype(jnp.bfloat16)
+        base = np.asarray(run(settings["bfloat16"], x), np.float32)
+        for label, ws in settings.items():
+            t = timed(lambda ws=ws: run(ws, x), min_time=0.05 if smoke else 0.2, reps=2 if smoke else 5)
+            note = f"{nbytes[label] / 2**30:.2f} GiB of weights"
+            if bw:
+                note += f", bound {1e3 * nbytes[label] / bw:.3f} ms ({100 * nbytes[label] / t / bw:.0f}% of copy BW)"
+            if label != "bfloat16":
+                err = float(np.max(np.abs(np.asarray(run(ws, x), np.float32) - base)) / np.max(np.abs(base)))
+                note += f"; vs bfloat16 max rel diff {err:.1e}"
+            row("q", f"decode-step linears x{layers} layers, {tokens} tokens, {label}", f"{1e3 * t:.3f} ms", note)
+
+
+def fp8_kv_kernel(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None) -> None:
+    seqs, context, heads, kv_heads, head_dim, bs = (4, 64, 8, 2, 32, 16) if smoke else (64, 4096, 32, 8, 128, 16)
+    blocks = seqs * context // bs + 1
+    key = jax.random.key(2)
+    shape = (1, blocks, bs, kv_heads, head_dim)
+    k = jax.random.normal(jax.random.fold_in(key, 1), shape).astype(jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 2), shape).astype(jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 3), (seqs, heads, head_dim)).astype(jnp.bfloat16)
+    tables = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, blocks)).reshape(seqs, -1), jnp.int32)
+    lens = jnp.full((seqs,), context, jnp.int32)
+    layer, scale = jnp.int32(0), head_dim ** -0.5
+    k8, v8 = fp8_bits(k, FP8), fp8_bits(v, FP8)
+    kernel = jax.jit(lambda q, k, v, fp8=None: paged_decode_attention(
+        q, k, v, layer, tables, lens, sm_scale=scale, interpret=smoke, fp8=fp8), static_argnames=("fp8",))
+    got = np.asarray(kernel(q, k8, v8, fp8=FP8), np.float64)
+    ref = np.asarray(paged_decode_attention_reference(q, k8, v8, layer, tables, lens, sm_scale=scale, fp8=FP8),
+                     np.float64)
+    err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+    row("q", "Triton decode kernel on an fp8 KV cache vs the XLA reference (same pages)",
+        "PASS" if err < 2e-2 else "FAIL", f"max rel err {err:.1e} (tol 2e-2)")
+    times = {}
+    for label, (kc, vc, fp8) in {"bfloat16": (k, v, None), "fp8": (k8, v8, FP8)}.items():
+        times[label] = timed(lambda kc=kc, vc=vc, fp8=fp8: kernel(q, kc, vc, fp8=fp8), min_time=0.05 if smoke
+                             else 0.2, reps=2 if smoke else 5)
+        kv_bytes = 2 * seqs * context * kv_heads * head_dim * (1 if fp8 else 2)
+        note = f"{kv_bytes / 2**20:.0f} MiB of K/V read"
+        if bw:
+            note += f" = {100 * kv_bytes / times[label] / bw:.0f}% of copy BW"
+        row("q", f"Triton decode kernel, {seqs} seqs x {context} tokens, {label} cache", f"{1e6 * times[label]:.0f} us",
+            note)
+    row("q", "fp8 cache / bfloat16 cache decode kernel time", f"{times['fp8'] / times['bfloat16']:.2f}x")
+
+
+def main() -> None:
+    """One gpu_check process: part (q) with its rows in the run's rows file."""
+    from benchmarks.gpu_check_common import run_part
+
+    run_part("q", __doc__, [linear_step, fp8_kv_kernel])
+
+
+if __name__ == "__main__":
+    main()
