@@ -221,10 +221,15 @@ class Check:
             self.run([Job(f"timing {f}", "b", ["benchmarks/gpu_check_kernels.py", "timing", f], no_prealloc)
                       for f in TIMING_FAMILIES], self.jobs if self.smoke else 1)
             self.judge_kernels()
-        if "q" in only and self.fits("q"):
-            self.run([Job("quantization", "q", ["benchmarks/gpu_check_quant.py"], no_prealloc)], 1)
-        if "d" in only and self.fits("d"):
-            self.run([Job("moe", "d", ["benchmarks/gpu_check_moe.py"], no_prealloc)], 1)
+        last = [Job(name, part, [script], no_prealloc) for part, name, script in (
+            ("q", "quantization", "benchmarks/gpu_check_quant.py"), ("d", "moe", "benchmarks/gpu_check_moe.py"))
+            if part in only]
+        if self.smoke:  # side by side: a smoke run's timings mean nothing
+            self.run(last, self.jobs)
+            return
+        for job in last:  # one at a time on a GPU: each times things
+            if self.fits(job.part):
+                self.run([job], 1)
 
     def compare_backends(self) -> None:
         values = {r["key"]: r["value"] for r in self.rows() if r.get("key", "") and r["key"].startswith("c:")}
@@ -295,8 +300,8 @@ def main() -> None:
                     "else a new temporary folder)")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds: a part that would not fit is skipped")
     ap.add_argument("--jobs", type=int, help="kernel cases run at a time (default 4; 2 with --smoke)")
-    ap.add_argument("--only", default=DEFAULT_PARTS, help=f"parts to run, e.g. 't,c' (default: {DEFAULT_PARTS}; "
-                    f"all: {PARTS})")
+    ap.add_argument("--only", help=f"parts to run, e.g. 't,c' (default: {DEFAULT_PARTS}; with --smoke, all of "
+                    f"{PARTS})")
     args = ap.parse_args()
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu_check-")))
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +310,7 @@ def main() -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cuda")
     check = Check(out, args.smoke, args.budget, args.jobs or (2 if args.smoke else 4))
     try:
-        check.all_parts(args.only.replace(",", ""))
+        check.all_parts((args.only or (PARTS if args.smoke else DEFAULT_PARTS)).replace(",", ""))
     except KeyboardInterrupt:
         check.row("-", "interrupted", "ERROR", "stopped from outside; rows so far are kept", status="error")
     sys.exit(check.summary())

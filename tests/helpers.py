@@ -159,3 +159,22 @@ def compute_logits(runner: Any, batch: Any) -> np.ndarray:
                                                                                **runner.shapes.statics())
     return host_copy(logits)[: batch.num_seqs]
 
+
+
+def quantize_loaded(params: Any, method: str) -> Any:
+    """A loaded model's params with the fields `--quantization` quantizes quantized as the loader
+    does (per layer and output channel, from the loaded values), on one device: the real GGUF models
+    quantized without writing them out as float checkpoints first."""
+    import jax
+    import jax.numpy as jnp
+
+    from paxserve.models.layout import QUANTIZABLE
+    from paxserve.models.quant_weights import WeightQuantization
+    from paxserve.models.sharding import map_fields
+
+    quantization = WeightQuantization(method)
+
+    def one(path: str, leaf: Any) -> Any:
+        return jax.tree.map(jnp.asarray, quantization.quantize(np.asarray(leaf))) if path in QUANTIZABLE else leaf
+
+    return map_fields(one, params)

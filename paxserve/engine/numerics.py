@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,12 @@ class NumericsPlan:
         probe = make_probe(model, backend)
         reference_params = model.params if model.unquantized_params is None else model.unquantized_params
         start = time.perf_counter()
-        reference, cache = probe.prefill(reference_params)
+        with ThreadPoolExecutor(2, thread_name_prefix="paxserve-numerics") as pool:  # both compiles at once
+            compiled_reference = pool.submit(probe.compile, reference_params)
+            compiled_served = pool.submit(probe.compile, model.params, self.fp8_cache) if self.check else None
+            reference_program = compiled_reference.result()
+            served_program = None if compiled_served is None else compiled_served.result()
+        reference, cache = probe.prefill(reference_params, compiled=reference_program)
         scales = probe.scales_from(cache, self.fp8_cache) if calculate else None
         if calculate:
             logger.info("fp8 KV cache scales from %d tokens of fixed text (--calculate-kv-scales): K %.3g-%.3g, "
@@ -130,7 +136,7 @@ class NumericsPlan:
             self._warn_unit_scales()
         if not self.check:
             return scales, None
-        served, _ = probe.prefill(model.params, self.fp8_cache, scales)
+        served, _ = probe.prefill(model.params, self.fp8_cache, scales, compiled=served_program)
         model.unquantized_params = None  # its full-width weights go before the KV cache is made
         result = CheckResult(*compare_logits(reference, served), probe.positions, time.perf_counter() - start)
         self._store(result, scales)

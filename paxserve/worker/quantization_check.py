@@ -109,9 +109,7 @@ class Probe:
     def positions(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    def prefill(self, params: Any, kv_dtype: Any = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None
-                ) -> tuple[np.ndarray, KVCache]:
-        """(float32 logits at every prompt position, the cache the step wrote)."""
+    def _args(self, params: Any, kv_dtype: Any, kv_scales: tuple[np.ndarray, np.ndarray] | None) -> tuple:
         ids, positions, metadata, blocks = _prefill_batch([list(p) for p in self.prompts])
         cache = KVCache.zeros(self.cfg.num_layers, blocks, BLOCK, self.num_kv_heads, self.cfg.head_dim,
                               self.dtype if kv_dtype is None else kv_dtype)
@@ -120,7 +118,18 @@ class Probe:
                                   v_scale=jnp.asarray(kv_scales[1], jnp.float32))
         if self.place is not None:
             cache = self.place(cache)
-        logits, cache = self.forward(params, cache, jnp.asarray(ids), jnp.asarray(positions), metadata)
+        return params, cache, jnp.asarray(ids), jnp.asarray(positions), metadata
+
+    def compile(self, params: Any, kv_dtype: Any = None) -> Callable[..., Any]:
+        """The prefill's program for these params and cache dtype, compiled ahead (the check compiles
+        its two side by side: XLA's compiler releases the GIL)."""
+        return self.forward.lower(*self._args(params, kv_dtype, None)).compile()
+
+    def prefill(self, params: Any, kv_dtype: Any = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
+                compiled: Callable[..., Any] | None = None) -> tuple[np.ndarray, KVCache]:
+        """(float32 logits at every prompt position, the cache the step wrote); `compiled`: the
+        program `compile` made for these params and cache dtype."""
+        logits, cache = (compiled or self.forward)(*self._args(params, kv_dtype, kv_scales))
         return np.asarray(jax.device_get(logits), np.float32), cache
 
     def kv_scales(self, params: Any, kv_dtype: Any) -> tuple[np.ndarray, np.ndarray]:

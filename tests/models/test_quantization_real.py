@@ -1,21 +1,23 @@
-"""Quantization on the real bundled SmolLM2 (its GGUF written out as a float32 checkpoint): int8
-weights with an fp8 KV cache pass the start-up check, keep the perplexity of a fixed text within a
-few percent, and a deliberately wrong scale fails the check at its default thresholds.
-(benchmarks/quantization.py measures each setting on a longer text; RESULTS.md has the figures.)"""
+"""Quantization on the real bundled SmolLM2: int8 weights (quantized from the loaded model as the
+loader quantizes a float checkpoint) with an fp8 KV cache (scales from the unquantized model's K and
+V) agree with the unquantized model on a fixed text, keep its perplexity within a few percent, and a
+deliberately wrong scale fails the start-up check at its default thresholds.
+(benchmarks/quantization.py serves each setting through the engine on a longer text; RESULTS.md.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
-from paxserve import Engine, SamplingParams
 from paxserve.config import QuantizationCheck
 from paxserve.kernels import REFERENCE
-from paxserve.models.bundled import default_model_path
-from paxserve.models.gguf_export import export_gguf_as_hf
-from paxserve.worker.quantization_check import enforce, make_probe, run_check
+from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
+from paxserve.models import load_model
+from paxserve.worker.quantization_check import CheckResult, compare_logits, enforce, make_probe
+from tests.helpers import quantize_loaded
 
 TEXT = (
     "The printing press changed how knowledge travelled. Before it, books were copied by hand, slowly and "
@@ -24,42 +26,33 @@ TEXT = (
     "same text in distant libraries, scientists could publish tables and diagrams that stayed exact, and "
     "reformers could reach readers faster than their opponents could answer. Historians still argue about "
     "how much the press caused and how much it merely accelerated, but few doubt that the cost of a book "
-    "fell by an order of magnitude, and that literacy followed the falling price. The same pattern appears "
-    "with later technologies: the telegraph, the radio and the internet each lowered the cost of sending a "
-    "message, and each was followed by an argument about whether cheaper messages made people wiser."
+    "fell by an order of magnitude, and that literacy followed the falling price."
 )
+FP8 = KV_CACHE_DTYPES["fp8"]
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Engine]:
-    directory = export_gguf_as_hf(default_model_path(), tmp_path_factory.mktemp("smollm2-f32"), "float32")
-    common = dict(kv_cache_memory_bytes=2**28, max_model_len=1024, warmup=False, compilation_cache_dir="", log_stats_interval=0)
-    full = Engine(str(directory), **common)
-    quantized = Engine(str(directory), quantization="int8", kv_cache_dtype="fp8", calculate_kv_scales=True, **common)
-    return full, quantized
+def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    shifted = logits[:-1] - logits[:-1].max(axis=-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return math.exp(-float(np.mean(logp[np.arange(len(ids) - 1), ids[1:]])))
 
 
-def _perplexity(engine: Engine, ids: list[int]) -> float:
-    out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    return math.exp(float(np.mean([-entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])])))
-
-
-def test_int8_weights_and_fp8_cache_pass_the_check_and_keep_the_perplexity(engines) -> None:
-    full, quantized = engines
-    check = quantized.parts.numerics_check
-    assert check is not None and check.top1 >= 0.9 and check.mean_kl <= 0.05, check
-    assert full.parts.numerics_check is None  # nothing quantized, nothing checked
-    ids = full.parts.tokenizer.encode(TEXT)
-    assert len(ids) > 150
-    base, got = _perplexity(full, ids), _perplexity(quantized, ids)
+def test_int8_weights_and_fp8_cache_keep_the_answers_and_a_wrong_scale_fails_the_check() -> None:
+    model = load_model()  # the bundled GGUF, float32
+    ids = model.tokenizer.encode(TEXT)
+    probe = dataclasses.replace(make_probe(model, REFERENCE), prompts=(tuple(ids),))
+    reference, cache = probe.prefill(model.params)
+    scales = probe.scales_from(cache, FP8)
+    int8 = quantize_loaded(model.params, "int8")
+    served, _ = probe.prefill(int8, FP8, scales)
+    top1, mean_kl, _ = compare_logits(reference, served)
+    assert top1 >= 0.9 and mean_kl <= 0.05, (top1, mean_kl)
+    base, got = _perplexity(reference, ids), _perplexity(served, ids)
     assert abs(got / base - 1) < 0.05, (base, got)
 
-
-def test_a_wrong_scale_fails_the_default_check_on_the_real_model(engines) -> None:
-    full, quantized = engines
-    model = quantized.parts.model
-    layers = model.params.layers
-    wrong = model.params.replace(layers=layers.replace(down_w=layers.down_w.replace(scale=layers.down_w.scale * 2)))
-    result = run_check(make_probe(model, REFERENCE), wrong, full.parts.model.params)
+    layers = int8.layers  # one field's scales off by 2x: the kind of bug the check is for
+    wrong = int8.replace(layers=layers.replace(down_w=layers.down_w.replace(scale=layers.down_w.scale * 2)))
+    broken, _ = probe.prefill(wrong, FP8, scales)
+    result = CheckResult(*compare_logits(reference, broken), len(ids), 0.0)
     with pytest.raises(ValueError, match=r"quantization check failed for int8: top-1 agreement"):
         enforce(result, QuantizationCheck(), "int8")
