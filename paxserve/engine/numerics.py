@@ -71,7 +71,9 @@ class NumericsPlan:
         if check and weights is not None and memory is not None:
             check = _unquantized_fits(config, info, tp, memory)
         key = stored = None
-        if check:
+        # Several hosts run the check's programs together: a record one host has and another has
+        # not would leave the second waiting in a collective for the first, so they always check.
+        if check and config.nnodes == 1:
             key = cls._key(config, info, tp)
             path = cls._path(key)
             try:

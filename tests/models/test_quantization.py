@@ -257,3 +257,17 @@ def test_engine_plans_four_times_the_blocks_for_an_fp8_cache_of_a_float32_model(
                log_stats_interval=0)
     with pytest.raises(ValueError, match="calculate_kv_scales=True is invalid: computes the scales of an fp8"):
         EngineConfig(calculate_kv_scales=True)
+
+
+def test_several_hosts_always_run_the_check_together(tiny: Path) -> None:
+    """A stored outcome one host has and another has not would leave them out of step in the
+    check's collectives: with nnodes > 1 no record is read or written."""
+    from paxserve.engine.numerics import NumericsPlan
+    from paxserve.models.loader import inspect_model
+
+    info = inspect_model(tiny, quantization="int8")
+    one = NumericsPlan.make(EngineConfig(model=str(tiny), quantization="int8"), info, None, False, None)
+    two = NumericsPlan.make(EngineConfig(model=str(tiny), quantization="int8", nnodes=2, tensor_parallel_size=2),
+                            info, None, False, None)
+    assert one.check and one.key is not None
+    assert two.check and two.key is None and two.stored is None and two.needs_unquantized
