@@ -160,7 +160,8 @@ def add_repo_to_path() -> None:
 def run_part(part: str, doc: str | None, measures: list[Callable[..., None]]) -> None:
     """A part process's main: `--smoke` and `--rows`, then each `measure(smoke, row, timed, copy
     bandwidth or None)` in turn, `row(part, check, result, note)` marking FAIL rows as failed and
-    PASS rows as passed; a measure that raises leaves an error row and the next one still runs."""
+    PASS rows as passed; a measure that raises leaves an error row, the next one still runs, and
+    the process exits 1 (its error row already says why)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc)
@@ -173,10 +174,12 @@ def run_part(part: str, doc: str | None, measures: list[Callable[..., None]]) ->
         rows(what, result, note, status="fail" if result.startswith("FAIL") else "pass" if result == "PASS"
              else "info")
 
+    failed = False
     for measure in measures:
         try:
             measure(args.smoke, row, timed, rows.value("copy_bw"))
         except Exception as e:  # noqa: BLE001 - one measurement failing must not hide the next
-            if len(measures) == 1:
-                raise
             rows(measure.__name__, "ERROR", one_line(e), status="error")
+            failed = True
+    if failed:
+        sys.exit(1)

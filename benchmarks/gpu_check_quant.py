@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -28,21 +29,10 @@ import numpy as np
 from paxserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from paxserve.kernels.kv_cache import fp8_bits
 from paxserve.models.layers import dense
-from paxserve.models.quant_weights import QuantizedWeight
+from paxserve.models.quant_weights import WeightQuantization
 
 Row = Callable[..., None]
 FP8 = "float8_e4m3fn"
-
-
-def _quantized(w: jax.Array, method: str, fp8_activations: bool = False) -> QuantizedWeight:
-    """Per-output-channel quantization on the device (the loader does the same on the host)."""
-    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=-2, keepdims=True)
-    qmax = 127.0 if method == "int8" else 448.0
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    scaled = w.astype(jnp.float32) / scale
-    q = jnp.clip(jnp.rint(scaled), -127, 127).astype(jnp.int8) if method == "int8" else \
-        jnp.clip(scaled, -448, 448).astype(jnp.float8_e4m3fn)
-    return QuantizedWeight(q=q, scale=scale, fp8_activations=fp8_activations)
 
 
 def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None) -> None:
@@ -67,7 +57,8 @@ def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | 
     settings = {"bfloat16": weights}
     for label, method, act in (("int8 weight-only", "int8", False), ("fp8 weight-only", "fp8", False),
                                ("fp8 x fp8", "fp8", True)):
-        settings[label] = {n: jax.jit(_quantized, static_argnums=(1, 2))(w, method, act) for n, w in weights.items()}
+        quantize = jax.jit(functools.partial(WeightQuantization(method, act).quantize, xp=jnp))
+        settings[label] = {n: quantize(w) for n, w in weights.items()}
     nbytes = {label: sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(ws)) for label, ws in settings.items()}
     for tokens in (4,) if smoke else (1, 16, 64):
         x = (jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, hidden)) * 0.5).astype(jnp.bfloat16)

@@ -142,8 +142,8 @@ def params_from_layout(
         quantize = quantization is not None and path in QUANTIZABLE
         out = np.empty(shape, dtype) if not quantize or keep_unquantized else None
         if quantize:
-            q = np.empty(shape, quantization.storage)
-            scale = np.empty((*shape[:-2], 1, shape[-1]), np.float32)
+            spec = quantization.abstract(shape)
+            q, scale = np.empty(spec.q.shape, spec.q.dtype), np.empty(spec.scale.shape, spec.scale.dtype)
         for row, i in enumerate(layers):
             w = np.asarray(_build(leaf, read, i), dtype)
             if out is not None:

@@ -69,7 +69,7 @@ class LoadedModel:
     tp: TensorParallel | None = None  # how params are split over devices (None: one device)
     quantization: WeightQuantization | None = None  # how the linear weights were quantized at load
     # The same model unquantized (`load_model(keep_unquantized=True)`), for the start-up numerics
-    # check; whoever asked for it drops it (`del model.unquantized_params`) before the KV cache is made.
+    # check; whoever asked for it drops it (sets it to None) before the KV cache is made.
     unquantized_params: Any = None
 
 
@@ -493,6 +493,7 @@ def load_model(
                                                                   tensor_parallel_size, enable_expert_parallel)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+        unquantized = None  # nothing was quantized at load
     else:
         hf_config = _read_hf_config(path)
         generation_config = _read_generation_config(path)
@@ -509,8 +510,6 @@ def load_model(
                                        None if tp is None else tp.place, quant, keep_unquantized)
         tokenizer = tokenizer_from_directory(path) if tokenizer_override is None else None
         from_cache = False
-    if kind == "gguf":
-        unquantized = None
     if tokenizer_override is not None:
         _check_tokenizer_vocab(tokenizer_override, cfg.vocab_size, str(tokenizer_source))
         tokenizer = tokenizer_override

@@ -99,17 +99,18 @@ class WeightQuantization:
             "weight-only (dequantized inside each matmul)"
         return f"{self.method} weights, one float32 scale per output channel, {how}"
 
-    def quantize(self, w: np.ndarray) -> QuantizedWeight:
-        """Host quantization of `[..., in, out]` (numpy leaves): scale = max |w| over `in` / the
-        format's max, so every channel uses the whole range; an all-zero channel gets scale 1."""
-        w32 = np.asarray(w, np.float32)
-        amax = np.max(np.abs(w32), axis=-2, keepdims=True)
-        scale = np.where(amax > 0, amax / _QMAX[self.method], 1.0).astype(np.float32)
+    def quantize(self, w: Any, xp: Any = np) -> QuantizedWeight:
+        """Quantization of `[..., in, out]`: scale = max |w| over `in` / the format's max, so every
+        channel uses the whole range; an all-zero channel gets scale 1. `xp` is numpy (the loader,
+        on the host) or jax.numpy (on a device, e.g. gpu_check's random weights)."""
+        w32 = xp.asarray(w, np.float32)
+        amax = xp.max(xp.abs(w32), axis=-2, keepdims=True)
+        scale = xp.where(amax > 0, amax / _QMAX[self.method], 1.0).astype(np.float32)
         scaled = w32 / scale
         if self.method == "int8":
-            q = np.clip(np.rint(scaled), -127, 127).astype(np.int8)
+            q = xp.clip(xp.rint(scaled), -127, 127).astype(np.int8)
         else:
-            q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(self.storage)
+            q = xp.clip(scaled, -FP8_MAX, FP8_MAX).astype(self.storage)
         return QuantizedWeight(q=q, scale=scale, fp8_activations=self.fp8_activations)
 
     def abstract(self, shape: tuple[int, ...]) -> QuantizedWeight:

@@ -169,8 +169,11 @@ def _decode_step(q: Float[Array, "T H D"], k_cache: Float[Array, "L N P K D"], v
 
 
 def supports(kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-             dtype: jnp.dtype) -> str | None:
-    """None if `kernel` ("mosaic" or "triton") serves these shapes, else the reason it does not."""
+             dtype: jnp.dtype, fp8_cache: bool = False) -> str | None:
+    """None if `kernel` ("mosaic" or "triton") serves these shapes (and an fp8 KV cache, if
+    `fp8_cache`), else the reason it does not."""
+    if kernel == "mosaic" and fp8_cache:
+        return _FP8_CACHE_REASON
     check = supports_mosaic_attention if kernel == "mosaic" else supports_ragged_paged_attention
     return check(num_heads, num_kv_heads, head_dim, block_size, dtype)
 
@@ -242,7 +245,7 @@ def resolve_attention_backend(
         logger.info("attention: %s (compute capability %s): trying %s", platform, compute_capability or "unknown",
                     ", then ".join(_LABEL[c] for c in candidates))
     else:
-        reason = supports(option, **shapes) or (_FP8_CACHE_REASON if option == "mosaic" and fp8_cache else None)
+        reason = supports(option, **shapes, fp8_cache=fp8_cache)
         if reason:
             raise ValueError(f"attention_backend={option!r} cannot serve this model: {reason}")
         if not on_gpu:
@@ -262,8 +265,7 @@ def resolve_attention_backend(
     if fp8_cache:
         shapes["kv_dtype"] = kv_dtype
     for kernel in candidates:
-        reason = supports(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype) or \
-            (_FP8_CACHE_REASON if kernel == "mosaic" and fp8_cache else None)
+        reason = supports(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype, fp8_cache)
         if reason:
             logger.warning("attention: the %s does not support this model (%s)", _LABEL[kernel], reason)
             continue

@@ -89,11 +89,17 @@ class KVCache:
     ) -> "KVCache":
         """A zeroed cache of values of `dtype` (an fp8 dtype: uint8 storage, scales 1.0)."""
         shape = cls.array_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        stored = cls.storage_dtype(dtype)
+        return cls.of_pages(jnp.zeros(shape, stored), jnp.zeros(shape, stored), dtype)
+
+    @classmethod
+    def of_pages(cls, k: Array, v: Array, dtype: object) -> "KVCache":
+        """A cache of values of `dtype` around zeroed K and V pages in `storage_dtype(dtype)` (an fp8
+        cache gets its scales, 1.0)."""
         if not is_fp8(dtype):
-            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-        ones = jnp.ones((num_layers,), jnp.float32)
-        return cls(k=jnp.zeros(shape, jnp.uint8), v=jnp.zeros(shape, jnp.uint8), k_scale=ones, v_scale=ones,
-                   fp8=np.dtype(dtype).name)
+            return cls(k=k, v=v)
+        ones = jnp.ones((k.shape[0],), jnp.float32)
+        return cls(k=k, v=v, k_scale=ones, v_scale=ones, fp8=np.dtype(dtype).name)
 
     @staticmethod
     def storage_dtype(dtype: object) -> np.dtype:

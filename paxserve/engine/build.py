@@ -127,8 +127,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         compute_capability=getattr(jax.local_devices()[0], "compute_capability", None), kv_dtype=kv_dtype)
     logger.info("attention: %s (%s)", attention_backend.describe(), attention_backend)
     plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster, kv_dtype)
-    fp8_cache = kv_dtype != info.dtype
-    numerics = NumericsPlan.make(config, info, tp, fp8_cache, _device_memory())
+    numerics = NumericsPlan.make(config, info, tp, None if kv_dtype == info.dtype else kv_dtype, _device_memory())
     keep_unquantized = numerics.needs_unquantized
     # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU);
     # on an accelerator, not while the check's unquantized weights need the room.

@@ -30,7 +30,7 @@ from paxserve.models.loader import ModelInfo, cache_root, resolve_source
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, param_bytes
 from paxserve.worker.programs import environment_fingerprint, source_fingerprint
-from paxserve.worker.quantization_check import CheckResult, compare_logits, enforce, make_probe
+from paxserve.worker.quantization_check import CheckResult, check_against, enforce, make_probe
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,10 @@ class NumericsPlan:
     stored: dict[str, Any] | None  # an earlier start's outcome for this exact setting
 
     @classmethod
-    def make(cls, config: EngineConfig, info: ModelInfo, tp: TensorParallel | None, fp8_cache: bool,
+    def make(cls, config: EngineConfig, info: ModelInfo, tp: TensorParallel | None, fp8: np.dtype | None,
              memory: Any) -> "NumericsPlan":
-        from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
-
-        fp8 = KV_CACHE_DTYPES[config.kv_cache_dtype] if fp8_cache else None
+        """`fp8`: the KV cache's fp8 dtype (None for a cache in the model's dtype); `memory`: the
+        accelerator's, or None on a CPU."""
         weights = None if info.quantization is None else info.quantization.describe()
         thresholds = QuantizationCheck.parse(config.quantization_check)
         quantized = fp8 is not None or weights is not None
@@ -138,9 +137,8 @@ class NumericsPlan:
             self._warn_unit_scales()
         if not self.check:
             return scales, None
-        served, _ = probe.prefill(model.params, self.fp8_cache, scales, compiled=served_program)
+        result = check_against(probe, reference, model.params, self.fp8_cache, scales, served_program, start)
         model.unquantized_params = None  # its full-width weights go before the KV cache is made
-        result = CheckResult(*compare_logits(reference, served), probe.positions, time.perf_counter() - start)
         self._store(result, scales)
         enforce(result, self.thresholds, self.what)
         return scales, result

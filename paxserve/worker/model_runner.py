@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH, PromptLogprobsInputs
 from paxserve.core.scheduler import SchedulerOutput
 from paxserve.kernels import REFERENCE, AttentionBackend, KVCache
-from paxserve.kernels.kv_cache import is_fp8
 from paxserve.models.config import ModelConfig
 from paxserve.models.loader import LoadedModel
 from paxserve.worker.input_batch import InputBatch, PreparedStep
@@ -94,10 +93,7 @@ def zero_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: np.
     shape = KVCache.array_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     pool = ThreadPoolExecutor(2, thread_name_prefix="paxserve-kv-zero")
     k, v = (pool.submit(jnp.zeros, shape, KVCache.storage_dtype(dtype)) for _ in range(2))
-    fp8 = (lambda: dict(k_scale=jnp.ones((cfg.num_layers,), jnp.float32),  # noqa: E731
-                        v_scale=jnp.ones((cfg.num_layers,), jnp.float32), fp8=np.dtype(dtype).name)) \
-        if is_fp8(dtype) else dict
-    future = pool.submit(lambda: KVCache(k=k.result(), v=v.result(), **fp8()))
+    future = pool.submit(lambda: KVCache.of_pages(k.result(), v.result(), dtype))
     pool.shutdown(wait=False)
     return future
 

@@ -132,14 +132,10 @@ class Probe:
         logits, cache = (compiled or self.forward)(*self._args(params, kv_dtype, kv_scales))
         return np.asarray(jax.device_get(logits), np.float32), cache
 
-    def kv_scales(self, params: Any, kv_dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Per-layer K and V scales for an fp8 cache (vLLM's --calculate-kv-scales) from a prefill
-        of the prompts with `params`."""
-        return self.scales_from(self.prefill(params)[1], kv_dtype)
-
     @staticmethod
     def scales_from(cache: KVCache, kv_dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Each layer's largest |K| and |V| in a full-width cache, mapped to the fp8 format's largest value."""
+        """Per-layer K and V scales for an fp8 cache (vLLM's --calculate-kv-scales): each layer's
+        largest |K| and |V| in a full-width cache a prefill wrote, mapped to the format's largest value."""
         limit = float(ml_dtypes.finfo(np.dtype(kv_dtype)).max)
 
         def per_layer(x: jax.Array) -> np.ndarray:
@@ -162,15 +158,25 @@ def make_probe(model: Any, attention_backend: AttentionBackend) -> Probe:
     return Probe(forward, cfg, jnp.dtype(model.dtype), heads, prompts, place)
 
 
-def run_check(probe: Probe, params: Any, unquantized: Any, kv_dtype: Any = None,
-              kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> CheckResult:
-    """The served setting (`params`, a `kv_dtype` cache with `kv_scales`) against the unquantized
-    model (`unquantized` params, a cache in the model's dtype) on the probe's prompts."""
-    start = time.perf_counter()
-    reference, _ = probe.prefill(unquantized)
-    served, _ = probe.prefill(params, kv_dtype, kv_scales)
+def check_against(probe: Probe, reference: np.ndarray, params: Any, kv_dtype: Any = None,
+                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, compiled: Callable[..., Any] | None = None,
+                  started: float | None = None) -> CheckResult:
+    """The served setting (`params`, a `kv_dtype` cache with `kv_scales`; `compiled`: its program,
+    if made ahead) against `reference`, the unquantized model's logits on the probe's prompts;
+    `started`: when the check began (its reference run included), for the reported time."""
+    start = time.perf_counter() if started is None else started
+    served, _ = probe.prefill(params, kv_dtype, kv_scales, compiled)
     top1, mean_kl, worst = compare_logits(reference, served)
     return CheckResult(top1, mean_kl, worst, probe.positions, time.perf_counter() - start)
+
+
+def run_check(probe: Probe, params: Any, unquantized: Any, kv_dtype: Any = None,
+              kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> CheckResult:
+    """The served setting against the unquantized model (`unquantized` params, a cache in the
+    model's dtype) on the probe's prompts."""
+    start = time.perf_counter()
+    reference, _ = probe.prefill(unquantized)
+    return check_against(probe, reference, params, kv_dtype, kv_scales, started=start)
 
 
 def enforce(result: CheckResult, thresholds: QuantizationCheck, what: str) -> None:

@@ -23,7 +23,6 @@ from jaxtyping import Array, Float, Int
 
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
-from paxserve.kernels.kv_cache import is_fp8
 from paxserve.models.sharding import TensorParallel
 from paxserve.sampling_params import MAX_LOGPROBS
 from paxserve.worker.sampling.host_inputs import PACKED_WIDTH, bitmask_width
@@ -146,12 +145,12 @@ class StepShapes:
     def kv_cache(self) -> KVCache:
         heads = self.cfg.num_kv_heads if self.tp is None else self.tp.num_kv_heads_stored
         shape = (self.cfg.num_layers, self.num_blocks, self.block_size, heads, self.cfg.head_dim)
-        sharding = None if self.tp is None else self.tp.kv_sharding
         dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
-        stored = KVCache.storage_dtype(dtype)
-        fp8 = {} if not is_fp8(dtype) else {name: _shape((self.cfg.num_layers,), jnp.float32, self._replicated)
-                                             for name in ("k_scale", "v_scale")} | {"fp8": np.dtype(dtype).name}
-        return KVCache(k=_shape(shape, stored, sharding), v=_shape(shape, stored, sharding), **fp8)
+        cache = jax.eval_shape(lambda: KVCache.zeros(*shape, dtype))
+        if self.tp is None:
+            return cache
+        return jax.tree.map(lambda leaf, sharding: _shape(leaf.shape, leaf.dtype, sharding), cache,
+                            self.tp.kv_cache_shardings(cache))
 
     def sampler_state(self) -> SamplerState:
         r, v, w = self.num_state_rows, self.cfg.vocab_size, bitmask_width(self.cfg.vocab_size)

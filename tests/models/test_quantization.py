@@ -20,14 +20,18 @@ from paxserve.models.quant_weights import QUANTIZATION_METHODS as FORMATS, Quant
 from paxserve.models.sharding import field_paths
 from paxserve.worker.memory_plan import kv_bytes_per_block
 from paxserve.worker.model_runner import ModelRunner
-from paxserve.worker.quantization_check import enforce, make_probe, run_check
+from paxserve.worker.quantization_check import check_against, enforce, make_probe, run_check
 from paxserve.kernels import REFERENCE
 from tests.helpers import make_tiny_llama, rel_error
 from tests.paged_greedy import greedy_tokens_and_logits
 
 
 def test_the_config_and_the_formats_name_the_same_methods() -> None:
+    from paxserve.config import KV_CACHE_DTYPES as KV_NAMES
+    from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
+
     assert QUANTIZATION_METHODS == FORMATS
+    assert set(KV_NAMES) == {"auto", *KV_CACHE_DTYPES}
 
 
 @pytest.mark.parametrize("method,bound", [("int8", 0.5 / 127), ("fp8", 2.0**-4)])
@@ -183,12 +187,13 @@ def _fp8() -> np.dtype:
 def test_fp8_cache_with_calibrated_scales_stays_near_the_full_cache_and_a_wrong_scale_is_caught(tiny: Path) -> None:
     model = load_model(tiny)
     probe = make_probe(model, REFERENCE)
-    scales = probe.kv_scales(model.params, _fp8())
+    reference, cache = probe.prefill(model.params)
+    scales = probe.scales_from(cache, _fp8())
     assert all(s.shape == (model.config.num_layers,) and np.all(s > 0) for s in scales)
-    sound = run_check(probe, model.params, model.params, _fp8(), scales)
+    sound = check_against(probe, reference, model.params, _fp8(), scales)
     assert sound.top1 >= 0.85 and sound.mean_kl < 0.01  # a random model's near-ties flip more than a real one's
     # Scales 100x too small: K and V saturate at fp8's largest value.
-    wrong = run_check(probe, model.params, model.params, _fp8(), tuple(s / 100 for s in scales))
+    wrong = check_against(probe, reference, model.params, _fp8(), tuple(s / 100 for s in scales))
     assert wrong.mean_kl > 10 * sound.mean_kl
     with pytest.raises(ValueError, match="quantization check failed"):
         enforce(wrong, QuantizationCheck(max_kl=3 * sound.mean_kl), "fp8 KV cache")
@@ -201,7 +206,8 @@ def test_int8_weights_and_an_fp8_cache_at_tp_1_and_2(tiny: Path) -> None:
     unquantized model, and a reset keeps the cache's scales."""
     prompts = _prompts()
     full = load_model(tiny)
-    scales = make_probe(full, REFERENCE).kv_scales(full.params, _fp8())
+    probe = make_probe(full, REFERENCE)
+    scales = probe.scales_from(probe.prefill(full.params)[1], _fp8())
     base = greedy_tokens_and_logits(ModelRunner(full, num_blocks=16, block_size=8, max_model_len=64), prompts, 4,
                                     shuffle_seed=3)
     out = {}
@@ -266,8 +272,8 @@ def test_several_hosts_always_run_the_check_together(tiny: Path) -> None:
     from paxserve.models.loader import inspect_model
 
     info = inspect_model(tiny, quantization="int8")
-    one = NumericsPlan.make(EngineConfig(model=str(tiny), quantization="int8"), info, None, False, None)
+    one = NumericsPlan.make(EngineConfig(model=str(tiny), quantization="int8"), info, None, None, None)
     two = NumericsPlan.make(EngineConfig(model=str(tiny), quantization="int8", nnodes=2, tensor_parallel_size=2),
-                            info, None, False, None)
+                            info, None, None, None)
     assert one.check and one.key is not None
     assert two.check and two.key is None and two.stored is None and two.needs_unquantized

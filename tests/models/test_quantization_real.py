@@ -16,7 +16,7 @@ from paxserve.config import QuantizationCheck
 from paxserve.kernels import REFERENCE
 from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
 from paxserve.models import load_model
-from paxserve.worker.quantization_check import CheckResult, compare_logits, enforce, make_probe
+from paxserve.worker.quantization_check import check_against, compare_logits, enforce, make_probe
 from tests.helpers import quantize_loaded
 
 TEXT = (
@@ -52,7 +52,6 @@ def test_int8_weights_and_fp8_cache_keep_the_answers_and_a_wrong_scale_fails_the
 
     layers = int8.layers  # one field's scales off by 2x: the kind of bug the check is for
     wrong = int8.replace(layers=layers.replace(down_w=layers.down_w.replace(scale=layers.down_w.scale * 2)))
-    broken, _ = probe.prefill(wrong, FP8, scales)
-    result = CheckResult(*compare_logits(reference, broken), len(ids), 0.0)
+    result = check_against(probe, reference, wrong, FP8, scales)
     with pytest.raises(ValueError, match=r"quantization check failed for int8: top-1 agreement"):
         enforce(result, QuantizationCheck(), "int8")
