@@ -2,14 +2,15 @@
 
 - The linear layers of one decode step at Llama-3-8B shapes (32 layers of q/k/v, o, gate/up and down
   projections, random weights made on the device), for a batch of 1, 16 and 64 tokens: bfloat16,
-  int8 weight-only, fp8 weight-only and fp8 x fp8 with per-token activation scales (the path
-  `--quantization fp8` takes on Hopper), each next to the time its weight bytes take at the measured
-  copy bandwidth; correctness of each against the same product on the dequantized weights.
+  int8 weight-only, fp8 weight-only, fp8 x fp8 with per-token activation scales (the path
+  `--quantization fp8` takes on Hopper) and 4-bit groups (a GGUF Q4_K file kept quantized, XLA
+  dequantizing inside the step), each next to the time its weight bytes take at the measured copy
+  bandwidth; the difference of each from the bfloat16 product.
 - The Triton decode-only kernel on an fp8 KV cache (uint8 bits, 64 sequences x 4k context, 32 query
   and 8 KV heads of 128) against the same kernel on a bfloat16 cache, and against the XLA reference
   on the same fp8 pages.
 
-4-bit weights (GGUF kept quantized, AWQ/GPTQ) are not served yet, so they are not timed here.
+AWQ/GPTQ 4-bit checkpoints are not read yet; the Pallas weight-only matmul is not written yet.
 """
 
 from __future__ import annotations
@@ -29,10 +30,23 @@ import numpy as np
 from paxserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from paxserve.kernels.kv_cache import fp8_bits
 from paxserve.models.layers import dense
-from paxserve.models.quant_weights import WeightQuantization
+from paxserve.models.quant_weights import GroupQuantizedWeight, WeightQuantization
 
 Row = Callable[..., None]
 FP8 = "float8_e4m3fn"
+
+
+@jax.jit
+def four_bit(w: jax.Array) -> GroupQuantizedWeight:
+    """[L, in, out] as a GGUF Q4_K weight is kept: unsigned 4-bit codes two to a byte, a float32
+    scale and offset per 32 inputs (min/max per group, as llama.cpp's Q4_1 rounds)."""
+    layers, n_in, n_out = w.shape
+    g = w.astype(jnp.float32).reshape(layers, n_in // 32, 32, n_out)
+    low, high = g.min(axis=2), g.max(axis=2)
+    scale = jnp.maximum((high - low) / 15, 1e-12)
+    c = jnp.clip(jnp.round((g - low[:, :, None]) / scale[:, :, None]), 0, 15).astype(jnp.uint8)
+    c = c.reshape(layers, n_in, n_out)
+    return GroupQuantizedWeight(codes=c[:, 0::2] | (c[:, 1::2] << 4), scale=scale, offset=low, bits=4)
 
 
 def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None) -> None:
@@ -59,6 +73,7 @@ def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | 
                                ("fp8 x fp8", "fp8", True)):
         quantize = jax.jit(functools.partial(WeightQuantization(method, act).quantize, xp=jnp))
         settings[label] = {n: quantize(w) for n, w in weights.items()}
+    settings["4-bit groups of 32 (GGUF Q4_K's storage)"] = {n: four_bit(w) for n, w in weights.items()}
     nbytes = {label: sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(ws)) for label, ws in settings.items()}
     for tokens in (4,) if smoke else (1, 16, 64):
         x = (jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, hidden)) * 0.5).astype(jnp.bfloat16)

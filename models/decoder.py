@@ -12,7 +12,7 @@ themselves, so a layer step slices out only the experts its tokens were routed t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ from paxserve.models.config import ModelConfig
 from paxserve.models.layers import dense, mlp, norm
 from paxserve.models.moe import MLPParams, MoEParams, moe_mlp, take_layer
 from paxserve.models.rope import apply_rope, rope_cos_sin, rope_frequencies
+from paxserve.models.quant_weights import GroupQuantizedWeight
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 from paxserve.kernels.metadata import NO_WINDOW
 from paxserve.kernels.alibi import alibi_slopes
@@ -58,7 +59,7 @@ class LayerParams:
 
 @struct.dataclass
 class DecoderParams:
-    embed: Float[Array, "V H"]
+    embed: Float[Array, "V H"] | GroupQuantizedWeight  # a GGUF embedding kept quantized (a `table`)
     layers: LayerParams
     final_norm: Float[Array, " H"]
     final_norm_b: Float[Array, " H"] | None = None
@@ -109,7 +110,7 @@ def forward(
     num_tokens = input_ids.shape[0]
     eps = cfg.rms_norm_eps
     reduce = None if tp is None else (lambda y: jax.lax.psum(y, tp.axis))
-    x = _embed(params.embed, input_ids, tp)
+    x = _embed(params.embed, input_ids, tp, params.final_norm.dtype)
     if cfg.embed_scale:
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -198,7 +199,12 @@ def forward(
 
     (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (params.layers, scanned))
     h = norm(cfg.norm, x[metadata.logits_indices], params.final_norm, params.final_norm_b, eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
+    head = params.lm_head
+    if isinstance(head, GroupQuantizedWeight):
+        head = head.dequantize(h.dtype)
+    elif head is None:  # tied to the embedding
+        embed = params.embed
+        head = (embed.dequantize(h.dtype) if isinstance(embed, GroupQuantizedWeight) else embed).T
     logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
@@ -207,13 +213,19 @@ def forward(
     return logits, kv_cache.replace(k=k_cache, v=v_cache)
 
 
-def _embed(embed: Float[Array, "V H"], input_ids: Int[Array, " T"], tp: TensorParallel | None) -> Array:
+def _embed(embed: Float[Array, "V H"] | GroupQuantizedWeight, input_ids: Int[Array, " T"], tp: TensorParallel | None,
+           dtype: Any) -> Array:
     """Embedding lookup; with a vocabulary-parallel table, each device looks up the ids in its slice
-    (zeros elsewhere) and one sum over the devices completes every row, exactly."""
+    (zeros elsewhere) and one sum over the devices completes every row, exactly. A GGUF embedding
+    kept quantized dequantizes only the rows it looks up, to the model's `dtype`."""
+    if isinstance(embed, GroupQuantizedWeight):
+        rows, lookup = embed.shape[0], lambda ids: embed.rows(ids).dequantize(dtype)  # noqa: E731
+    else:
+        rows, lookup = embed.shape[0], lambda ids: embed[ids]  # noqa: E731
     if tp is None or not tp.vocab_parallel:
-        return embed[input_ids]
-    rows = embed.shape[0]
+        return lookup(input_ids)
     local = input_ids - jax.lax.axis_index(tp.axis) * rows
     mine = (local >= 0) & (local < rows)
-    x = jnp.where(mine[:, None], embed[jnp.clip(local, 0, rows - 1)], jnp.zeros((), embed.dtype))
+    x = lookup(jnp.clip(local, 0, rows - 1))
+    x = jnp.where(mine[:, None], x, jnp.zeros((), x.dtype))
     return jax.lax.psum(x, tp.axis)

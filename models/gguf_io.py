@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from paxserve.models.gguf_weights import KEPT_TYPES, HostCodes, decode
 from paxserve.models.optional_import import import_for
 
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
@@ -347,6 +348,26 @@ class GGUFCheckpoint:
             return (1, *shapes[0])
         return shapes[0]
 
+    def types(self, name: str) -> list[str]:
+        """The GGML formats of the tensor's stored parts ("Q4_K", "F32", ...)."""
+        return [t.tensor_type.name for t in self._tensors[name]]
+
+    def read_codes(self, name: str) -> HostCodes:
+        """The tensor kept quantized (every part in a format `gguf_weights.KEPT_TYPES` names): codes
+        and group scales in the orientation and order `read` gives, its weights `read`'s exactly."""
+        spec, parts = self._spec(), self._tensors[name]
+        decoded = [decode(t.data, t.tensor_type.name, self._stored_shape(t)) for t in parts]
+        host = decoded[0] if len(decoded) == 1 else HostCodes.concatenate(decoded, axis=1)
+        shape = self.shape(name)
+        host = host.map(lambda a: a.reshape(*shape[:-1], a.shape[-1]))
+        if spec.permuted_qk and ".self_attn.q_proj." in name:
+            host = host.map(lambda a: _unpermute(a, int(self.metadata[f"{self.arch}.attention.head_count"])))
+        elif spec.permuted_qk and ".self_attn.k_proj." in name:
+            heads = self.metadata.get(f"{self.arch}.attention.head_count_kv",
+                                      self.metadata[f"{self.arch}.attention.head_count"])
+            host = host.map(lambda a: _unpermute(a, int(heads)))
+        return host
+
     def read(self, name: str) -> np.ndarray:
         """The tensor as transformers' GGUF loader produces it: dequantized to float32, Q/K rows
         un-permuted for llama, Gemma norms with llama.cpp's +1 taken off (`Gemma2TensorProcessor`),
@@ -354,7 +375,12 @@ class GGUFCheckpoint:
         spec, parts = self._spec(), self._tensors[name]
         shape = self.shape(name)
         quants = import_for("gguf.quants", "reading GGUF files", "gguf")
-        arrays = [quants.dequantize(t.data, t.tensor_type).reshape(self._stored_shape(t)) for t in parts]
+        try:
+            arrays = [quants.dequantize(t.data, t.tensor_type).reshape(self._stored_shape(t)) for t in parts]
+        except NotImplementedError:
+            raise ValueError(f"{self.path}: tensor {parts[0].name} is stored as {parts[0].tensor_type.name}, which "
+                             f"paxserve cannot read; supported: F32, F16, BF16 and gguf's quantized formats "
+                             f"(kept quantized: {', '.join(KEPT_TYPES)})") from None
         w = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)).reshape(shape)
         if spec.permuted_qk and ".self_attn.q_proj." in name:
             w = _unpermute(w, int(self.metadata[f"{self.arch}.attention.head_count"]))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from paxserve.models.quant_weights import QuantizedWeight, quantized_matmul
+from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, quantized_matmul
 
 Reduce = Callable[[Array], Array]  # sums a row-parallel product's partial results over the devices
 
@@ -52,15 +52,19 @@ def norm(kind: str, x: Array, weight: Array, bias: Array | None, eps: float) -> 
 
 
 def dense(
-    x: Float[Array, "T I"], w: Float[Array, "I O"] | QuantizedWeight, b: Float[Array, " O"] | None = None,
+    x: Float[Array, "T I"], w: Float[Array, "I O"] | QuantizedWeight | GroupQuantizedWeight,
+    b: Float[Array, " O"] | None = None,
     reduce: Reduce | None = None,
 ) -> Float[Array, "T O"]:
     """x @ w (+ b) with float32 accumulation; HIGHEST precision keeps float32 models exact on GPUs
     that would otherwise use TF32. `reduce` (row-parallel: `w` holds this device's rows) sums the
     float32 partial products over the devices before the one rounding and the bias, so a split
-    layer rounds as the whole one does. A quantized `w` is dequantized inside the product."""
+    layer rounds as the whole one does. A quantized `w` is dequantized inside the product; a GGUF
+    weight kept quantized to `x`'s dtype first, so the product is the dequantized file's exactly."""
     if isinstance(w, QuantizedWeight):
         y = quantized_matmul(x, w)
+    elif isinstance(w, GroupQuantizedWeight):
+        y = jnp.dot(x, w.dequantize(x.dtype), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     else:
         y = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if reduce is not None:

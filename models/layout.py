@@ -9,7 +9,7 @@ the conversion, and the abstract params (shapes only) that memory planning and t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +17,15 @@ import numpy as np
 
 from paxserve.models.config import ModelConfig
 from paxserve.models.decoder import DecoderParams, LayerParams
-from paxserve.models.quant_weights import QuantizedWeight, WeightQuantization
+from paxserve.models.gguf_weights import GGUFQuantization, GroupFormat, HostCodes
+from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, WeightQuantization
 
 LAYER_INDEX = "{i}"  # stands for the layer number in per-layer tensor names
 # The linear weights `--quantization` quantizes: attention and MLP (experts included). The
 # embedding, the LM head, norms, biases, the MoE router and the shared-expert gate keep their width
 # (vLLM's choice: they are small, and the head and router decide tokens directly).
+# A GGUF file's quantized embedding and LM head stay quantized too (models/gguf_weights.py).
+KEPT_TOP = frozenset({"embed", "lm_head"})
 QUANTIZABLE = frozenset({
     "layers.qkv_w", "layers.o_w", "layers.up_w", "layers.down_w", "dense_mlp.up_w", "dense_mlp.down_w",
     "moe.experts_up_w", "moe.experts_down_w", "moe.shared_up_w", "moe.shared_down_w",
@@ -91,9 +94,46 @@ def tensor_shapes(layout: Layout, num_layers: int) -> dict[str, tuple[int, ...]]
     return shapes
 
 
+def _fields(layout: Layout, num_layers: int) -> list[tuple[str, Leaf, tuple[int, ...]]]:
+    """(field path, leaf, the layers it covers) of every per-layer field."""
+    out = [(f"layers.{name}", leaf, tuple(range(num_layers))) for name, leaf in layout.layer.items()]
+    return out + [(f"{field_name}.{name}", leaf, s.layers) for field_name, s in layout.stacks.items()
+                  for name, leaf in s.leaves.items()]
+
+
+def _names(leaf: Leaf, i: int | None) -> list[str]:
+    return [n if i is None else n.replace(LAYER_INDEX, str(i)) for n, _ in leaf.parts]
+
+
+def gguf_formats(layout: Layout, num_layers: int, types_of: Callable[[str], list[str]]
+                 ) -> tuple[GGUFQuantization, dict[str, list[str]]]:
+    """How a GGUF file's QUANTIZABLE fields are kept, from its tensors' formats alone (no data
+    read): (the kept fields' formats, the fields loaded at full width -> their formats)."""
+    kept, full = [], {}
+    # The embedding and the LM head too, as the file quantized them (the embedding's groups run
+    # along hidden, as the tied head's input; a lookup dequantizes only its rows).
+    top = [(path, leaf, (None,)) for path, leaf in layout.top.items() if path in KEPT_TOP]
+    for path, leaf, layers in top + _fields(layout, num_layers):
+        if path not in QUANTIZABLE and path not in KEPT_TOP:
+            continue
+        types = sorted({t for i in layers for name in _names(leaf, i) for t in types_of(name)})
+        fmt = GroupFormat.for_types(types) if leaf.transform is None else None
+        if fmt is not None and leaf.shape()[-1 if path == "embed" else -2] % fmt.group == 0:
+            kept.append((path, fmt))
+        else:
+            full[path] = types
+    return GGUFQuantization(tuple(kept)), full
+
+
+def _build_codes(leaf: Leaf, read_codes: Callable[[str], HostCodes], i: int | None, group: int) -> HostCodes:
+    """`_build` for a field kept quantized: its parts' codes in `group`s, as [..., in, out]."""
+    parts = [read_codes(n).regrouped(group) for n in _names(leaf, i)]
+    host = parts[0] if len(parts) == 1 else HostCodes.concatenate(parts, axis=0)
+    return host.map(lambda a: np.swapaxes(a, -1, -2))
+
+
 def _build(leaf: Leaf, read: Callable[[str], np.ndarray], i: int | None) -> np.ndarray:
-    names = [n if i is None else n.replace(LAYER_INDEX, str(i)) for n, _ in leaf.parts]
-    arrays = [read(n) for n in names]
+    arrays = [read(n) for n in _names(leaf, i)]
     t = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
     if leaf.transform is not None:
         t = leaf.transform(t)
@@ -122,8 +162,8 @@ def _to_default_device(path: str, array: np.ndarray) -> jax.Array:
 
 def params_from_layout(
     layout: Layout, read: Callable[[str], np.ndarray], num_layers: int, dtype: np.dtype,
-    place: Place = _to_default_device, quantization: WeightQuantization | None = None,
-    keep_unquantized: bool = False,
+    place: Place = _to_default_device, quantization: WeightQuantization | GGUFQuantization | None = None,
+    keep_unquantized: bool = False, read_codes: Callable[[str], HostCodes] | None = None,
 ) -> tuple[DecoderParams, DecoderParams | None]:
     """Read and convert every tensor; per-layer fields are stacked on a leading layer axis (filled
     in place, so peak host memory is one stacked copy) and handed to `place` one field at a time
@@ -133,13 +173,41 @@ def params_from_layout(
 
     Returns (params, the same model unquantized or None): with `keep_unquantized`, the quantized
     fields are also placed at full width (the other fields are shared), from the same one read of
-    the checkpoint, for the start-up numerics check to compare against and then drop."""
+    the checkpoint, for the start-up numerics check to compare against and then drop.
+
+    With a `GGUFQuantization`, its fields are read through `read_codes` and kept quantized
+    (values, scales and offsets placed as "path.codes", "path.scale", "path.offset")."""
     placed: dict[str, object] = {}
     full: dict[str, jax.Array] = {}
 
-    def stacked(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.Array | QuantizedWeight:
+    def kept(path: str, leaf: Leaf, layers: tuple[int, ...] | None, fmt: GroupFormat) -> GroupQuantizedWeight:
+        if layers is None:  # the embedding (encoded as the tied head's [H, V], stored as a table) or the LM head
+            one = fmt.encode(_build_codes(leaf, read_codes, None, fmt.group))
+            one = one.as_table() if path == "embed" else one
+            return GroupQuantizedWeight(**{name: None if a is None else place(f"{path}.{name}", a) for name, a in
+                                           (("codes", one.codes), ("scale", one.scale), ("offset", one.offset))},
+                                        bits=fmt.bits, table=one.table)
+        spec = fmt.abstract((len(layers), *leaf.shape()))
+        bufs = {name: None if a is None else np.empty(a.shape, a.dtype)
+                for name, a in (("codes", spec.codes), ("scale", spec.scale), ("offset", spec.offset))}
+        for row, i in enumerate(layers):
+            one = fmt.encode(_build_codes(leaf, read_codes, i, fmt.group))
+            for name, buf in bufs.items():
+                if buf is not None:
+                    buf[row] = getattr(one, name)
+        return GroupQuantizedWeight(**{name: None if buf is None else place(f"{path}.{name}", buf)
+                                       for name, buf in bufs.items()}, bits=fmt.bits)
+
+    def stacked(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.Array | QuantizedWeight | GroupQuantizedWeight:
         shape = (len(layers), *leaf.shape())
-        quantize = quantization is not None and path in QUANTIZABLE
+        if isinstance(quantization, GGUFQuantization):
+            fmt = quantization.format_of(path)
+            if fmt is not None:
+                placed[path] = kept(path, leaf, layers, fmt)
+                return placed[path]
+            quantize = False
+        else:
+            quantize = quantization is not None and path in QUANTIZABLE
         out = np.empty(shape, dtype) if not quantize or keep_unquantized else None
         if quantize:
             spec = quantization.abstract(shape)
@@ -160,12 +228,14 @@ def params_from_layout(
                                        fp8_activations=quantization.fp8_activations)
         return placed[path]
 
-    def top(path: str, leaf: Leaf) -> jax.Array:
-        placed[path] = place(path, np.asarray(_build(leaf, read, None), dtype))
+    def top(path: str, leaf: Leaf) -> jax.Array | GroupQuantizedWeight:
+        fmt = quantization.format_of(path) if isinstance(quantization, GGUFQuantization) else None
+        placed[path] = place(path, np.asarray(_build(leaf, read, None), dtype)) if fmt is None else \
+            kept(path, leaf, None, fmt)
         return placed[path]
 
     params = _assemble(layout, num_layers, stacked, top)
-    if not keep_unquantized or quantization is None:
+    if not keep_unquantized or not isinstance(quantization, WeightQuantization):
         return params, None
     reference = _assemble(layout, num_layers, lambda path, leaf, layers: full.get(path, placed[path]),
                           lambda path, leaf: placed[path])
@@ -173,11 +243,20 @@ def params_from_layout(
 
 
 def abstract_from_layout(layout: Layout, num_layers: int, dtype: np.dtype,
-                         quantization: WeightQuantization | None = None) -> DecoderParams:
+                         quantization: WeightQuantization | GGUFQuantization | None = None) -> DecoderParams:
     s = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
 
-    def per_layer(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.ShapeDtypeStruct | QuantizedWeight:
+    def per_layer(path: str, leaf: Leaf, layers: tuple[int, ...]) -> Any:
         shape = (len(layers), *leaf.shape())
+        if isinstance(quantization, GGUFQuantization):
+            fmt = quantization.format_of(path)
+            return s(shape) if fmt is None else fmt.abstract(shape)
         return quantization.abstract(shape) if quantization is not None and path in QUANTIZABLE else s(shape)
 
-    return _assemble(layout, num_layers, per_layer, lambda path, leaf: s(leaf.shape()))
+    def top(path: str, leaf: Leaf) -> Any:
+        fmt = quantization.format_of(path) if isinstance(quantization, GGUFQuantization) else None
+        if fmt is None:
+            return s(leaf.shape())
+        return fmt.abstract(leaf.shape()[::-1]).as_table() if path == "embed" else fmt.abstract(leaf.shape())
+
+    return _assemble(layout, num_layers, per_layer, top)

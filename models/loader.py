@@ -30,10 +30,12 @@ from transformers import PreTrainedTokenizerBase
 from paxserve.models.bundled import default_model_path
 from paxserve.models.config import ModelConfig, model_config_from_hf
 from paxserve.models.gguf_io import GGUFCheckpoint
+from paxserve.models.gguf_weights import KEPT_TYPES, GGUFQuantization
+from paxserve.models.layout import gguf_formats
 from paxserve.models.quant_weights import QUANTIZATION_METHODS, WeightQuantization
-from paxserve.models.registry import Architecture, get_architecture
+from paxserve.models.registry import Architecture, Quantization, get_architecture
 from paxserve.models.safetensors_io import SafetensorsCheckpoint
-from paxserve.models.sharding import TensorParallel, field_paths, map_fields, param_bytes
+from paxserve.models.sharding import TensorParallel, map_fields, param_bytes
 from paxserve.models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ DTYPES: dict[str, np.dtype] = {
 # Bump when the params layout or a conversion changes, so stale cache entries are not reused.
 # 4: the cache entry is a safetensors file (it was an orbax checkpoint, which took 1.3 s to restore
 # the bundled model's 513 MiB and 0.35 s to import; this reads it in about 0.4 s).
-_CONVERTER_VERSION = "4"  # 2: one decoder for every family (params pytree reshaped); 3: MoE stacks
+# 5: GGUF linear weights kept quantized (their formats in the entry's config.json).
+_CONVERTER_VERSION = "5"  # 2: one decoder for every family (params pytree reshaped); 3: MoE stacks
 _PARAMS_FILE = "params.safetensors"
 # Leaves are stored as unsigned integers of their width, since safetensors' numpy side has no
 # bfloat16; each leaf's real dtype is in the file's metadata.
@@ -67,7 +70,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     from_cache: bool = False
     tp: TensorParallel | None = None  # how params are split over devices (None: one device)
-    quantization: WeightQuantization | None = None  # how the linear weights were quantized at load
+    quantization: Quantization = None  # how the linear weights were quantized at load, or a GGUF's kept
     # The same model unquantized (`load_model(keep_unquantized=True)`), for the start-up numerics
     # check; whoever asked for it drops it (sets it to None) before the KV cache is made.
     unquantized_params: Any = None
@@ -105,7 +108,10 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], kind: str) -> np.dtype:
             raise ValueError(f"dtype={dtype!r} is not supported; choose one of: auto, {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if kind == "gguf":
-        return DTYPES["float32"]  # quantized weights are dequantized; float32 keeps them exact
+        # The file's weights are kept quantized and dequantized inside each matmul to this dtype:
+        # bfloat16 on a GPU (half the activation traffic, tensor cores); float32 on a CPU, where
+        # XLA's bfloat16 products are many times slower (benchmarks/RESULTS.md).
+        return DTYPES["bfloat16"] if jax.default_backend() == "gpu" else DTYPES["float32"]
     declared = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     return DTYPES.get(str(declared).removeprefix("torch."), DTYPES["float32"])
 
@@ -228,7 +234,8 @@ def _save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer:
 
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,
              place: Callable[[str, np.ndarray], Any] | None = None,
-             quantization: WeightQuantization | None = None, keep_unquantized: bool = False) -> tuple[Any, Any]:
+             quantization: Quantization = None, keep_unquantized: bool = False,
+             codes_of: Callable[[str], Any] | None = None) -> tuple[Any, Any]:
     total = len(arch.hf_tensor_shapes(cfg))
     with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None) as bar:
 
@@ -236,7 +243,12 @@ def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, d
             bar.update(1)
             return ckpt.read(name)
 
-        return arch.params_from_hf(read, cfg, dtype, place, quantization, keep_unquantized)
+        def read_codes(name: str) -> Any:
+            bar.update(1)
+            return codes_of(name)
+
+        return arch.params_from_hf(read, cfg, dtype, place, quantization, keep_unquantized,
+                                   None if codes_of is None else read_codes)
 
 
 def _keep_on_host(path: str, array: np.ndarray) -> np.ndarray:
@@ -308,7 +320,7 @@ def _load_gguf(
     Returns (params, hf_config, tokenizer, from_cache, the split or None)."""
     def abstract_of(hf_config: dict[str, Any]) -> Any:
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
-        return arch.abstract_params(cfg, np_dtype)
+        return arch.abstract_params(cfg, np_dtype, gguf_quantization(hf_config))
 
     entry = _gguf_cache_entry(path, dtype, cache_dir)
     if not use_cache:
@@ -363,13 +375,38 @@ def _convert_gguf(path: Path, dtype: str, tp_size: int, expert_parallel: bool
     """(params in the whole model's layout, on the host when they are to be split; hf_config;
     tokenizer; the split or None)."""
     gguf_file = GGUFCheckpoint(path)
-    hf_config = gguf_file.hf_config()
+    hf_config = _gguf_hf_config(gguf_file, dtype, log=True)
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
     tp = _tensor_parallel(cfg, tp_size, expert_parallel)
     ckpt = _as_laid_out(gguf_file, arch)
     check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
-    params, _ = _convert(arch, cfg, ckpt, np_dtype, f"Dequantizing {path.name}", None if tp is None else _keep_on_host)
+    params, _ = _convert(arch, cfg, ckpt, np_dtype, f"Reading {path.name}", None if tp is None else _keep_on_host,
+                         gguf_quantization(hf_config), codes_of=gguf_file.read_codes)
     return params, hf_config, tokenizer_from_gguf(gguf_file), tp
+
+
+_GGUF_FORMATS = "paxserve_gguf_formats"  # the key of a GGUF's kept formats in its hf_config (and cache entry)
+
+
+def gguf_quantization(hf_config: dict[str, Any]) -> GGUFQuantization:
+    """How a GGUF file's weights are kept, as `_gguf_hf_config` recorded it."""
+    return GGUFQuantization.from_json(hf_config.get(_GGUF_FORMATS, {}))
+
+
+def _gguf_hf_config(gguf_file: GGUFCheckpoint, dtype: str, log: bool = False) -> dict[str, Any]:
+    """The file's HF config plus how its linear weights are kept (decided from the tensors'
+    formats alone): quantized where every layer's format is one paxserve keeps, at full width
+    where a layer's tensor is float or in another format (dequantized at load)."""
+    hf_config = gguf_file.hf_config()
+    cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
+    kept, full = gguf_formats(arch.layout(cfg), cfg.num_layers, gguf_file.types)
+    if log:
+        for path, fmt in kept.formats:
+            logger.info("GGUF %s kept quantized: %s (%.2f bits per weight)", path, fmt.describe(), fmt.bits_per_weight())
+        for path, types in full.items():
+            logger.info("GGUF %s dequantized at load to %s: its tensors are %s (kept quantized: %s)", path,
+                        np_dtype.name, "/".join(types), ", ".join(KEPT_TYPES))
+    return {**hf_config, _GGUF_FORMATS: kept.to_json()}
 
 
 def resolve_quantization(method: str | None, kind: str, hf_config: dict[str, Any], source: str | Path
@@ -382,8 +419,11 @@ def resolve_quantization(method: str | None, kind: str, hf_config: dict[str, Any
         raise ValueError(f"{source} is a pre-quantized checkpoint (quantization_config: quant_method={stored!r}); "
                          "paxserve does not read pre-quantized Hugging Face checkpoints yet: load the unquantized "
                          "checkpoint, with --quantization fp8 or int8 to quantize it at load")
-    if method is None:
-        return None
+    if method is None or (method == "gguf" and kind == "gguf"):
+        return None  # a GGUF file's own quantization: the loader reads how its weights are kept
+    if method == "gguf":
+        raise ValueError(f"quantization='gguf' is the method of .gguf files, and {source} is a Hugging Face "
+                         "checkpoint: drop it, or use fp8 / int8 to quantize this checkpoint at load")
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={method!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)} "
                          "(applied at load to a float checkpoint)")
@@ -401,7 +441,7 @@ class ModelInfo:
     config: ModelConfig
     dtype: np.dtype
     weight_bytes: int
-    quantization: WeightQuantization | None = None
+    quantization: Quantization = None
 
 
 def inspect_model(
@@ -413,9 +453,11 @@ def inspect_model(
         hf_config = _read_hf_config(path)
     else:
         cached = _gguf_cache_entry(path, dtype, cache_dir) / "config.json"
-        hf_config = json.loads(cached.read_text()) if cached.exists() else GGUFCheckpoint(path).hf_config()
+        hf_config = json.loads(cached.read_text()) if cached.exists() else _gguf_hf_config(GGUFCheckpoint(path), dtype)
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     quant = resolve_quantization(quantization, kind, hf_config, path)
+    if kind == "gguf":
+        quant = gguf_quantization(hf_config)
     abstract = arch.abstract_params(cfg, np_dtype, quant)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
     return ModelInfo(config=cfg, dtype=np_dtype, weight_bytes=int(weight_bytes), quantization=quant)
@@ -488,11 +530,12 @@ def load_model(
     tokenizer_override = _tokenizer_from_path(tokenizer_source) if tokenizer_source is not None else None
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
-        quant = resolve_quantization(quantization, kind, {}, path)  # raises: a GGUF is quantized already
+        resolve_quantization(quantization, kind, {}, path)  # raises for fp8/int8: a GGUF is quantized already
         params, hf_config, tokenizer, from_cache, tp = _load_gguf(path, dtype, cache_dir, use_param_cache,
                                                                   tensor_parallel_size, enable_expert_parallel)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
+        quant = gguf_quantization(hf_config)
         unquantized = None  # nothing was quantized at load
     else:
         hf_config = _read_hf_config(path)
@@ -516,7 +559,7 @@ def load_model(
     params = jax.block_until_ready(params)
     seconds = time.perf_counter() - start
     leaves = jax.tree_util.tree_leaves(params)
-    n_params = sum(x.size for x, path in zip(leaves, field_paths(params)) if not path.endswith(".scale"))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(arch.abstract_params(cfg, np_dtype)))
     total_bytes = sum(x.nbytes for x in leaves)
     logger.info(
         "loaded %s: %s, %.1fM params in %s, %.1fs%s; %.3f GiB of weights", path.name, cfg.architecture,

@@ -120,5 +120,87 @@ class WeightQuantization:
                                fp8_activations=self.fp8_activations)
 
 
+@struct.dataclass
+class GroupQuantizedWeight:
+    """A linear weight `[..., in, out]` as integer codes with a scale (and an offset) per group of
+    `in // scale.shape[-2]` consecutive inputs: w = scale_g * c + offset_g, computed in float32 (a
+    GGUF file kept as it is; models/gguf_weights.py). `codes` is int8 [..., in, out], or with
+    `bits` 4, unsigned nibbles two to a byte along `in` ([..., in // 2, out]; byte i holds inputs
+    2i, low nibble, and 2i + 1). Every leaf keeps `out` last and a multiple of `in` second to last,
+    so stacking, the layer scan, expert slicing and the tensor-parallel split treat it as they
+    treat the full-width array.
+
+    `table`: an embedding, [vocab, hidden] like the float table, every leaf transposed (groups and
+    nibble pairs along the last axis), so a lookup reads whole rows and the tied head multiplies
+    by the table's transpose exactly as it does the float table's."""
+
+    codes: Any
+    scale: Any  # [..., in // group, out] float16 or float32 ([vocab, hidden // group] for a table)
+    offset: Any = None  # like scale, or None
+    bits: int = struct.field(pytree_node=False, default=8)
+    table: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.table:
+            rows, cols = self.codes.shape
+            return (rows, cols * (8 // self.bits))
+        *lead, rows, out = self.codes.shape
+        return (*lead, rows * (8 // self.bits), out)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.codes.shape)
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale."""
+        return self.shape[-1 if self.table else -2] // self.scale.shape[-1 if self.table else -2]
+
+    def rows(self, index: Array) -> "GroupQuantizedWeight":
+        """A table's rows `index` (an embedding lookup, before dequantizing only those rows)."""
+        return jax.tree.map(lambda a: jnp.take(a, index, axis=0), self)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> Array:
+        """The weight at `dtype`, rounded once from the float32 value: what a dequantizing loader
+        would have stored, bit for bit. The decoder calls it inside each product, so the full-width
+        weight exists only for the layer being computed."""
+        if self.table:  # the same arithmetic along the last axis
+            codes = self.codes
+            if self.bits == 4:
+                codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
+            rows, groups = self.scale.shape
+            c = codes.reshape(rows, groups, -1).astype(jnp.float32)
+            w = self.scale.astype(jnp.float32)[..., None] * c
+            if self.offset is not None:
+                w = w + self.offset.astype(jnp.float32)[..., None]
+            return w.reshape(rows, -1).astype(dtype)
+        codes = self.codes
+        if self.bits == 4:
+            pairs = jnp.stack([codes & 0xF, codes >> 4], axis=-2)  # [..., in // 2, 2, out]
+            codes = pairs.reshape(*codes.shape[:-2], codes.shape[-2] * 2, codes.shape[-1])
+        *lead, n_in, n_out = codes.shape
+        groups = self.scale.shape[-2]
+        c = codes.reshape(*lead, groups, n_in // groups, n_out).astype(jnp.float32)
+        w = self.scale.astype(jnp.float32)[..., :, None, :] * c
+        if self.offset is not None:
+            w = w + self.offset.astype(jnp.float32)[..., :, None, :]
+        return w.reshape(*lead, n_in, n_out).astype(dtype)
+
+    def as_table(self) -> "GroupQuantizedWeight":
+        """An `[hidden, vocab]` weight (numpy leaves or ShapeDtypeStructs) stored as an embedding table."""
+        def flip(a: Any) -> Any:
+            return jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T
+
+        return jax.tree.map(flip, self).replace(table=True)
+
+
+def dequantize_kept(params: Any, dtype: Any) -> Any:
+    """`params` with every GroupQuantizedWeight replaced by its full-width weight at `dtype`: the
+    same model as a loader that dequantizes the GGUF file would give (references, tests)."""
+    return jax.tree.map(lambda w: w.dequantize(dtype) if isinstance(w, GroupQuantizedWeight) else w, params,
+                        is_leaf=lambda w: isinstance(w, GroupQuantizedWeight))
+
+
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, QuantizedWeight)
+    return isinstance(w, (QuantizedWeight, GroupQuantizedWeight))

@@ -61,11 +61,12 @@ def shard_rules(cfg: ModelConfig, vocab_parallel: bool, expert_parallel: bool = 
 
 
 def rule_for(rules: dict[str, ShardRule], path: str, shape: tuple[int, ...]) -> ShardRule | None:
-    """The rule of a leaf: its field's, or, for a quantized weight's values and scales ("layers.o_w.q",
-    "layers.o_w.scale"), the weight's (they keep its axes). A leaf of extent 1 on the split axis (a
+    """The rule of a leaf: its field's, or, for a quantized weight's values, scales and offsets
+    ("layers.o_w.q", "layers.o_w.scale", a GGUF weight's ".codes" and ".offset"), the weight's
+    (they keep its axes). A leaf of extent 1 on the split axis (a
     per-channel scale of a row-parallel weight: one value for the whole input axis) is replicated."""
     rule = rules.get(path)
-    if rule is None and path.endswith((".q", ".scale")):
+    if rule is None and path.endswith((".q", ".scale", ".codes", ".offset")):
         rule = rules.get(path.rsplit(".", 1)[0])
     if rule is not None and shape[rule.axis] == 1:
         return None
@@ -257,6 +258,11 @@ class TensorParallel:
     def place(self, path: str, array: np.ndarray) -> jax.Array:
         """One host field onto the mesh: each device receives only its own slice."""
         array = self.reorder(path, np.asarray(array))
+        rule = self.rule(path, array.shape)
+        if rule is not None and array.shape[rule.axis] % self.size:
+            # A GGUF weight's group scales split with its rows: each device needs whole groups.
+            raise ValueError(f"{path} ({array.shape[rule.axis]} along its split axis) does not divide into "
+                             f"{self.size} devices")
         return jax.device_put(array, NamedSharding(self.mesh, self.spec(path, array.shape)))
 
     def abstract_params(self, abstract_params: Callable[[ModelConfig], Any]) -> Any:

@@ -11,8 +11,9 @@ BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the Pallas kernel on a GPU, the XLA reference on CPU (see pallas_kernels/dispatch.py).
 ATTENTION_BACKENDS = ("auto", "mosaic", "triton", "pallas", "reference")
-# `--quantization`: linear weights quantized at load (paxserve.models.quant_weights holds the formats).
-QUANTIZATION_METHODS = ("fp8", "int8")
+# `--quantization`: linear weights quantized at load (paxserve.models.quant_weights holds the formats),
+# or "gguf", a .gguf file's own (its weights are always kept as the file holds them; naming it is optional).
+QUANTIZATION_METHODS = ("fp8", "int8", "gguf")
 # `--kv-cache-dtype` (vLLM's names): "auto" = the model's dtype; "fp8" = fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # With no GPU, the KV cache lives in host memory; like vLLM's CPU backend, take a fixed budget.
@@ -111,7 +112,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     dtype: str = "auto"
-    # vLLM's --quantization: None, "fp8" or "int8" (linear weights quantized at load, per output channel).
+    # vLLM's --quantization: None, "fp8" or "int8" (linear weights quantized at load, per output channel),
+    # or "gguf" (a .gguf file's own formats, which paxserve keeps whether or not it is named).
     quantization: str | None = None
     # The start-up check of a quantized setting against the unquantized model: "on", "off", "top1=F,kl=F".
     quantization_check: str = "on"
@@ -189,8 +191,8 @@ class EngineConfig:
             raise _bad("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise _bad("quantization", self.quantization,
-                       f"must be None or one of {', '.join(QUANTIZATION_METHODS)} (quantized at load from a float "
-                       "checkpoint)")
+                       f"must be None or one of {', '.join(QUANTIZATION_METHODS)} (fp8 and int8 quantize a float "
+                       "checkpoint at load; gguf is a .gguf file's own)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise _bad("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":

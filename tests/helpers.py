@@ -169,10 +169,11 @@ def quantize_loaded(params: Any, method: str) -> Any:
     import jax.numpy as jnp
 
     from paxserve.models.layout import QUANTIZABLE
-    from paxserve.models.quant_weights import WeightQuantization
+    from paxserve.models.quant_weights import WeightQuantization, dequantize_kept
     from paxserve.models.sharding import map_fields
 
     quantization = WeightQuantization(method)
+    params = dequantize_kept(params, jnp.float32)  # the GGUF's own formats first, as a float checkpoint holds them
 
     def one(path: str, leaf: Any) -> Any:
         return jax.tree.map(jnp.asarray, quantization.quantize(np.asarray(leaf))) if path in QUANTIZABLE else leaf

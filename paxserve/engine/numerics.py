@@ -27,6 +27,7 @@ import numpy as np
 
 from paxserve.config import EngineConfig, QuantizationCheck
 from paxserve.models.loader import ModelInfo, cache_root, resolve_source
+from paxserve.models.quant_weights import WeightQuantization
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, param_bytes
 from paxserve.worker.programs import environment_fingerprint, source_fingerprint
@@ -60,7 +61,8 @@ class NumericsPlan:
              memory: Any) -> "NumericsPlan":
         """`fp8`: the KV cache's fp8 dtype (None for a cache in the model's dtype); `memory`: the
         accelerator's, or None on a CPU."""
-        weights = None if info.quantization is None else info.quantization.describe()
+        # A GGUF kept quantized computes the dequantized file's weights exactly: nothing to check.
+        weights = info.quantization.describe() if isinstance(info.quantization, WeightQuantization) else None
         thresholds = QuantizationCheck.parse(config.quantization_check)
         quantized = fp8 is not None or weights is not None
         check = quantized and thresholds.enabled
