@@ -33,7 +33,7 @@ import numpy as np
 GGUF = "the GGUF file itself"  # a setting served from the bundled file rather than its float export
 SETTINGS = (
     ("unquantized", {}),
-    ("GGUF kept quantized (Q4_1, Q8_0 embedding)", {"model": GGUF}),
+    ("GGUF kept quantized (Q4_1, Q8_0 embedding)", {"model": GGUF, "quantization": "gguf"}),
     ("int8 weights", {"quantization": "int8"}),
     ("fp8 weights", {"quantization": "fp8"}),
     ("fp8 KV cache", {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}),

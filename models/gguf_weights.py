@@ -154,6 +154,7 @@ class GroupFormat:
     scale_dtype: str  # "float16" or "float32"
     offset: bool
     types: tuple[str, ...]  # the GGUF formats it holds, for the log
+    bias: int = 0  # 4-bit codes stored as code + bias (signed codes of one scheme, no offset needed)
 
     @classmethod
     def for_types(cls, types: Iterable[str]) -> "GroupFormat | None":
@@ -171,11 +172,12 @@ class GroupFormat:
 
     def to_json(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group, "scale_dtype": self.scale_dtype, "offset": self.offset,
-                "types": list(self.types)}
+                "types": list(self.types), "bias": self.bias}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "GroupFormat":
-        return cls(int(d["bits"]), int(d["group"]), str(d["scale_dtype"]), bool(d["offset"]), tuple(d["types"]))
+        return cls(int(d["bits"]), int(d["group"]), str(d["scale_dtype"]), bool(d["offset"]), tuple(d["types"]),
+                   int(d.get("bias", 0)))
 
     def describe(self) -> str:
         return (f"{'/'.join(self.types)} as {self.bits}-bit codes, groups of {self.group}, "
@@ -191,7 +193,8 @@ class GroupFormat:
             raise ValueError(f"an input width of {n_in} is not a whole number of {self.group}-wide groups")
         codes = jax.ShapeDtypeStruct((*lead, n_in // (8 // self.bits), n_out), np.uint8 if self.bits == 4 else np.int8)
         groups = jax.ShapeDtypeStruct((*lead, n_in // self.group, n_out), np.dtype(self.scale_dtype))
-        return GroupQuantizedWeight(codes=codes, scale=groups, offset=groups if self.offset else None, bits=self.bits)
+        return GroupQuantizedWeight(codes=codes, scale=groups, offset=groups if self.offset else None, bits=self.bits,
+                                    bias=self.bias)
 
     def encode(self, host: HostCodes) -> GroupQuantizedWeight:
         """A field's host codes, already regrouped to this format's group and turned to the decoder's
@@ -202,7 +205,13 @@ class GroupFormat:
         scale = host.scale
         offset = host.offset if host.offset is not None else np.zeros_like(scale)
         codes = host.codes
-        if self.bits == 4:
+        if self.bits == 4 and self.bias:
+            codes = codes + self.bias
+            if codes.min(initial=0) < 0 or codes.max(initial=0) > 15:
+                raise ValueError("codes do not fit in 4 bits")
+            u = codes.astype(np.uint8)
+            codes = u[..., 0::2, :] | (u[..., 1::2, :] << np.uint8(4))
+        elif self.bits == 4:
             # Signed parts (Q4_0) become unsigned nibbles c + 8, their offset -8 * scale: the same
             # weights exactly (both terms and their sum are representable).
             low = codes.reshape(*codes.shape[:-2], -1, self.group, codes.shape[-1]).min(axis=-2)
@@ -217,7 +226,7 @@ class GroupFormat:
             codes = codes.astype(np.int8)
         out_scale = _narrow(scale, self.scale_dtype, "scale")
         out_offset = _narrow(offset, self.scale_dtype, "offset") if self.offset else None
-        return GroupQuantizedWeight(codes=codes, scale=out_scale, offset=out_offset, bits=self.bits)
+        return GroupQuantizedWeight(codes=codes, scale=out_scale, offset=out_offset, bits=self.bits, bias=self.bias)
 
 
 def _narrow(a: np.ndarray, dtype: str, what: str) -> np.ndarray:
@@ -226,28 +235,3 @@ def _narrow(a: np.ndarray, dtype: str, what: str) -> np.ndarray:
         raise ValueError(f"a GGUF group {what} is not a {dtype} value (out of its range)")
     return out
 
-
-@dataclass(frozen=True)
-class GGUFQuantization:
-    """A GGUF file's linear weights kept quantized: the storage of each params field that is
-    ("layers.qkv_w" -> its GroupFormat); the fields not named load at full width (their tensors
-    are float, or in a format not kept). vLLM calls this quantization method "gguf"."""
-
-    formats: tuple[tuple[str, GroupFormat], ...]
-    method: str = "gguf"
-    fp8_activations: bool = False
-
-    def format_of(self, path: str) -> GroupFormat | None:
-        return dict(self.formats).get(path)
-
-    def describe(self) -> str:
-        types = sorted({t for _, fmt in self.formats for t in fmt.types})
-        return (f"GGUF linear weights kept quantized ({'/'.join(types)}), dequantized inside each matmul"
-                if types else "GGUF file with no linear weight kept quantized")
-
-    def to_json(self) -> dict[str, Any]:
-        return {path: fmt.to_json() for path, fmt in self.formats}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "GGUFQuantization":
-        return cls(tuple((path, GroupFormat.from_json(f)) for path, f in sorted(d.items())))

@@ -9,7 +9,7 @@ the conversion, and the abstract params (shapes only) that memory planning and t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ import numpy as np
 
 from paxserve.models.config import ModelConfig
 from paxserve.models.decoder import DecoderParams, LayerParams
-from paxserve.models.gguf_weights import GGUFQuantization, GroupFormat, HostCodes
+from paxserve.models.gguf_weights import GroupFormat, HostCodes
+from paxserve.models.stored_quantization import StoredQuantization
 from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, WeightQuantization
 
 LAYER_INDEX = "{i}"  # stands for the layer number in per-layer tensor names
@@ -105,24 +106,37 @@ def _names(leaf: Leaf, i: int | None) -> list[str]:
     return [n if i is None else n.replace(LAYER_INDEX, str(i)) for n, _ in leaf.parts]
 
 
-def gguf_formats(layout: Layout, num_layers: int, types_of: Callable[[str], list[str]]
-                 ) -> tuple[GGUFQuantization, dict[str, list[str]]]:
-    """How a GGUF file's QUANTIZABLE fields are kept, from its tensors' formats alone (no data
-    read): (the kept fields' formats, the fields loaded at full width -> their formats)."""
+FormatFor = Callable[[list[str], int], "GroupFormat | WeightQuantization | None"]
+
+
+class StoredReader(Protocol):
+    """A quantized checkpoint's tensors as stored (models/gguf_io.py, models/compressed_tensors.py)."""
+
+    def read_codes(self, name: str) -> HostCodes: ...
+
+    def read_channel(self, name: str) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def stored_formats(layout: Layout, num_layers: int, method: str, types_of: Callable[[str], list[str]],
+                   format_for: FormatFor, top: frozenset[str] = frozenset()
+                   ) -> tuple[StoredQuantization, dict[str, list[str]]]:
+    """How a quantized checkpoint's QUANTIZABLE fields (and the `top` ones) are kept, from how its
+    tensors are stored alone (no data read): `format_for(the field's stored types, its input
+    width)` decides. Returns (the kept fields' formats, the fields loaded at full width -> their
+    stored types)."""
     kept, full = [], {}
-    # The embedding and the LM head too, as the file quantized them (the embedding's groups run
-    # along hidden, as the tied head's input; a lookup dequantizes only its rows).
-    top = [(path, leaf, (None,)) for path, leaf in layout.top.items() if path in KEPT_TOP]
-    for path, leaf, layers in top + _fields(layout, num_layers):
-        if path not in QUANTIZABLE and path not in KEPT_TOP:
+    tops = [(path, leaf, (None,)) for path, leaf in layout.top.items() if path in top]
+    for path, leaf, layers in tops + _fields(layout, num_layers):
+        if path not in QUANTIZABLE and path not in top:
             continue
         types = sorted({t for i in layers for name in _names(leaf, i) for t in types_of(name)})
-        fmt = GroupFormat.for_types(types) if leaf.transform is None else None
-        if fmt is not None and leaf.shape()[-1 if path == "embed" else -2] % fmt.group == 0:
+        width = leaf.shape()[-1 if path == "embed" else -2]  # the embedding's groups run along hidden
+        fmt = format_for(types, width) if leaf.transform is None else None
+        if fmt is not None and width % getattr(fmt, "group", 1) == 0:
             kept.append((path, fmt))
         else:
             full[path] = types
-    return GGUFQuantization(tuple(kept)), full
+    return StoredQuantization(method, tuple(kept)), full
 
 
 def _build_codes(leaf: Leaf, read_codes: Callable[[str], HostCodes], i: int | None, group: int) -> HostCodes:
@@ -162,8 +176,8 @@ def _to_default_device(path: str, array: np.ndarray) -> jax.Array:
 
 def params_from_layout(
     layout: Layout, read: Callable[[str], np.ndarray], num_layers: int, dtype: np.dtype,
-    place: Place = _to_default_device, quantization: WeightQuantization | GGUFQuantization | None = None,
-    keep_unquantized: bool = False, read_codes: Callable[[str], HostCodes] | None = None,
+    place: Place = _to_default_device, quantization: WeightQuantization | StoredQuantization | None = None,
+    keep_unquantized: bool = False, stored: StoredReader | None = None,
 ) -> tuple[DecoderParams, DecoderParams | None]:
     """Read and convert every tensor; per-layer fields are stacked on a leading layer axis (filled
     in place, so peak host memory is one stacked copy) and handed to `place` one field at a time
@@ -175,8 +189,10 @@ def params_from_layout(
     fields are also placed at full width (the other fields are shared), from the same one read of
     the checkpoint, for the start-up numerics check to compare against and then drop.
 
-    With a `GGUFQuantization`, its fields are read through `read_codes` and kept quantized
-    (values, scales and offsets placed as "path.codes", "path.scale", "path.offset")."""
+    With a `StoredQuantization` (a checkpoint quantized already), its fields are read as stored
+    through `stored` and kept so: group formats as "path.codes", "path.scale", "path.offset",
+    per-channel values as `--quantization` places them."""
+    read_codes = None if stored is None else stored.read_codes
     placed: dict[str, object] = {}
     full: dict[str, jax.Array] = {}
 
@@ -186,7 +202,7 @@ def params_from_layout(
             one = one.as_table() if path == "embed" else one
             return GroupQuantizedWeight(**{name: None if a is None else place(f"{path}.{name}", a) for name, a in
                                            (("codes", one.codes), ("scale", one.scale), ("offset", one.offset))},
-                                        bits=fmt.bits, table=one.table)
+                                        bits=fmt.bits, table=one.table, bias=fmt.bias)
         spec = fmt.abstract((len(layers), *leaf.shape()))
         bufs = {name: None if a is None else np.empty(a.shape, a.dtype)
                 for name, a in (("codes", spec.codes), ("scale", spec.scale), ("offset", spec.offset))}
@@ -196,14 +212,26 @@ def params_from_layout(
                 if buf is not None:
                     buf[row] = getattr(one, name)
         return GroupQuantizedWeight(**{name: None if buf is None else place(f"{path}.{name}", buf)
-                                       for name, buf in bufs.items()}, bits=fmt.bits)
+                                       for name, buf in bufs.items()}, bits=fmt.bits, bias=fmt.bias)
+
+    def channel(path: str, leaf: Leaf, layers: tuple[int, ...], fmt: WeightQuantization) -> QuantizedWeight:
+        """Values stored per channel (an fp8 or int8 checkpoint): its parts' rows and scales side by side."""
+        spec = fmt.abstract((len(layers), *leaf.shape()))
+        q, scale = np.empty(spec.q.shape, spec.q.dtype), np.empty(spec.scale.shape, spec.scale.dtype)
+        for row, i in enumerate(layers):
+            parts = [stored.read_channel(n) for n in _names(leaf, i)]
+            q[row] = np.swapaxes(np.concatenate([p[0] for p in parts], axis=0), -1, -2)
+            scale[row] = np.concatenate([p[1] for p in parts])[None, :]
+        return QuantizedWeight(q=place(f"{path}.q", q), scale=place(f"{path}.scale", scale),
+                               fp8_activations=fmt.fp8_activations)
 
     def stacked(path: str, leaf: Leaf, layers: tuple[int, ...]) -> jax.Array | QuantizedWeight | GroupQuantizedWeight:
         shape = (len(layers), *leaf.shape())
-        if isinstance(quantization, GGUFQuantization):
+        if isinstance(quantization, StoredQuantization):
             fmt = quantization.format_of(path)
             if fmt is not None:
-                placed[path] = kept(path, leaf, layers, fmt)
+                placed[path] = kept(path, leaf, layers, fmt) if isinstance(fmt, GroupFormat) else \
+                    channel(path, leaf, layers, fmt)
                 return placed[path]
             quantize = False
         else:
@@ -229,7 +257,7 @@ def params_from_layout(
         return placed[path]
 
     def top(path: str, leaf: Leaf) -> jax.Array | GroupQuantizedWeight:
-        fmt = quantization.format_of(path) if isinstance(quantization, GGUFQuantization) else None
+        fmt = quantization.format_of(path) if isinstance(quantization, StoredQuantization) else None
         placed[path] = place(path, np.asarray(_build(leaf, read, None), dtype)) if fmt is None else \
             kept(path, leaf, None, fmt)
         return placed[path]
@@ -243,18 +271,18 @@ def params_from_layout(
 
 
 def abstract_from_layout(layout: Layout, num_layers: int, dtype: np.dtype,
-                         quantization: WeightQuantization | GGUFQuantization | None = None) -> DecoderParams:
+                         quantization: WeightQuantization | StoredQuantization | None = None) -> DecoderParams:
     s = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
 
     def per_layer(path: str, leaf: Leaf, layers: tuple[int, ...]) -> Any:
         shape = (len(layers), *leaf.shape())
-        if isinstance(quantization, GGUFQuantization):
+        if isinstance(quantization, StoredQuantization):
             fmt = quantization.format_of(path)
             return s(shape) if fmt is None else fmt.abstract(shape)
         return quantization.abstract(shape) if quantization is not None and path in QUANTIZABLE else s(shape)
 
     def top(path: str, leaf: Leaf) -> Any:
-        fmt = quantization.format_of(path) if isinstance(quantization, GGUFQuantization) else None
+        fmt = quantization.format_of(path) if isinstance(quantization, StoredQuantization) else None
         if fmt is None:
             return s(leaf.shape())
         return fmt.abstract(leaf.shape()[::-1]).as_table() if path == "embed" else fmt.abstract(leaf.shape())

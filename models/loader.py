@@ -28,10 +28,12 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from paxserve.models.bundled import default_model_path
+from paxserve.models.compressed_tensors import CompressedCheckpoint, WeightScheme
 from paxserve.models.config import ModelConfig, model_config_from_hf
 from paxserve.models.gguf_io import GGUFCheckpoint
-from paxserve.models.gguf_weights import KEPT_TYPES, GGUFQuantization
-from paxserve.models.layout import gguf_formats
+from paxserve.models.gguf_weights import KEPT_TYPES, GroupFormat
+from paxserve.models.layout import KEPT_TOP, stored_formats
+from paxserve.models.stored_quantization import StoredQuantization
 from paxserve.models.quant_weights import QUANTIZATION_METHODS, WeightQuantization
 from paxserve.models.registry import Architecture, Quantization, get_architecture
 from paxserve.models.safetensors_io import SafetensorsCheckpoint
@@ -74,6 +76,8 @@ class LoadedModel:
     # The same model unquantized (`load_model(keep_unquantized=True)`), for the start-up numerics
     # check; whoever asked for it drops it (sets it to None) before the KV cache is made.
     unquantized_params: Any = None
+    # The checkpoint's own per-layer fp8 K and V scales (a compressed-tensors kv_cache_scheme), or None.
+    kv_scales: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def resolve_source(model: str | os.PathLike | None) -> tuple[str, Path]:
@@ -157,9 +161,29 @@ def _cache_key(path: Path, dtype: np.dtype) -> str:
 _COMPLETE = "complete"  # written last, so a half-written entry is never read
 
 
-def _gguf_cache_entry(path: Path, dtype: str, cache_dir: str | os.PathLike | None) -> Path:
+def _gguf_cache_entry(path: Path, dtype: str, cache_dir: str | os.PathLike | None, keep: bool = True) -> Path:
     # The key needs the resolved dtype, which for GGUF does not depend on the file's contents.
-    return cache_root(cache_dir) / "params" / _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
+    key = _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
+    return cache_root(cache_dir) / "params" / (key if keep else f"{key}-dequantized")
+
+
+def gguf_keeps_quantized(path: Path, method: str | None) -> tuple[bool, str]:
+    """Whether a GGUF file's weights stay quantized on the device, and why (for the log). Always
+    on an accelerator and with `--quantization gguf`. On a CPU they are dequantized at load while
+    that fits easily: XLA:CPU writes out each dequantized weight before its product, which made
+    the bundled model's decode steps about 2x slower than reading float32 weights
+    (benchmarks/RESULTS.md); a file whose dequantized weights could take half the host's memory
+    (estimated as 8x the file: float32 from 4-bit) stays quantized."""
+    if method == "gguf":
+        return True, "--quantization gguf"
+    if jax.default_backend() != "cpu":
+        return True, f"on {jax.default_backend().upper()} the weights stay as the file stores them"
+    estimate, ram = 8 * path.stat().st_size, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if estimate > ram // 2:
+        return True, (f"dequantized they could take {estimate / 2**30:.1f} GiB, over half of this host's "
+                      f"{ram / 2**30:.1f} GiB")
+    return False, ("on a CPU, dequantized weights decode about 2x faster (XLA:CPU materializes each dequantized "
+                   "weight); --quantization gguf keeps them quantized")
 
 
 def _restore_cached(entry: Path, abstract_of: Callable[[dict[str, Any]], Any]) -> tuple[Any, dict, Any] | None:
@@ -235,7 +259,7 @@ def _save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer:
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,
              place: Callable[[str, np.ndarray], Any] | None = None,
              quantization: Quantization = None, keep_unquantized: bool = False,
-             codes_of: Callable[[str], Any] | None = None) -> tuple[Any, Any]:
+             stored: Any = None) -> tuple[Any, Any]:
     total = len(arch.hf_tensor_shapes(cfg))
     with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None) as bar:
 
@@ -243,12 +267,23 @@ def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, d
             bar.update(1)
             return ckpt.read(name)
 
-        def read_codes(name: str) -> Any:
-            bar.update(1)
-            return codes_of(name)
-
         return arch.params_from_hf(read, cfg, dtype, place, quantization, keep_unquantized,
-                                   None if codes_of is None else read_codes)
+                                   None if stored is None else _Counted(stored, bar))
+
+
+class _Counted:
+    """A stored-tensor reader whose reads advance the progress bar."""
+
+    def __init__(self, stored: Any, bar: Any) -> None:
+        self._stored, self._bar = stored, bar
+
+    def read_codes(self, name: str) -> Any:
+        self._bar.update(1)
+        return self._stored.read_codes(name)
+
+    def read_channel(self, name: str) -> Any:
+        self._bar.update(1)
+        return self._stored.read_channel(name)
 
 
 def _keep_on_host(path: str, array: np.ndarray) -> np.ndarray:
@@ -313,7 +348,7 @@ def _model_spec(hf_config: dict[str, Any], dtype: str, kind: str) -> tuple[Model
 
 def _load_gguf(
     path: Path, dtype: str, cache_dir: str | os.PathLike | None, use_cache: bool, tp_size: int = 1,
-    expert_parallel: bool = False,
+    expert_parallel: bool = False, keep: bool = True,
 ) -> tuple[Any, dict[str, Any], Any, bool, TensorParallel | None]:
     """Dequantising a GGUF is slow, so its converted params, config and tokenizer are cached on disk
     (in the whole model's layout, whatever the tensor parallelism: they are split afterwards).
@@ -322,9 +357,9 @@ def _load_gguf(
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
         return arch.abstract_params(cfg, np_dtype, gguf_quantization(hf_config))
 
-    entry = _gguf_cache_entry(path, dtype, cache_dir)
+    entry = _gguf_cache_entry(path, dtype, cache_dir, keep)
     if not use_cache:
-        params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel)
+        params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel, keep)
         return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
     cached = _restore_cached(entry, abstract_of)
     if cached is None:
@@ -333,7 +368,7 @@ def _load_gguf(
         with _converting(entry, path):
             cached = _restore_cached(entry, abstract_of)
             if cached is None:
-                params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel)
+                params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel, keep)
                 _save_cached(entry, params, hf_config, tokenizer)
                 return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
     params, hf_config, tokenizer = cached
@@ -370,37 +405,38 @@ def _converting(entry: Path, path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _convert_gguf(path: Path, dtype: str, tp_size: int, expert_parallel: bool
+def _convert_gguf(path: Path, dtype: str, tp_size: int, expert_parallel: bool, keep: bool
                   ) -> tuple[Any, dict[str, Any], Any, TensorParallel | None]:
     """(params in the whole model's layout, on the host when they are to be split; hf_config;
     tokenizer; the split or None)."""
     gguf_file = GGUFCheckpoint(path)
-    hf_config = _gguf_hf_config(gguf_file, dtype, log=True)
+    hf_config = _gguf_hf_config(gguf_file, dtype, keep, log=True)
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
     tp = _tensor_parallel(cfg, tp_size, expert_parallel)
     ckpt = _as_laid_out(gguf_file, arch)
     check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
     params, _ = _convert(arch, cfg, ckpt, np_dtype, f"Reading {path.name}", None if tp is None else _keep_on_host,
-                         gguf_quantization(hf_config), codes_of=gguf_file.read_codes)
+                         gguf_quantization(hf_config), stored=gguf_file)
     return params, hf_config, tokenizer_from_gguf(gguf_file), tp
 
 
 _GGUF_FORMATS = "paxserve_gguf_formats"  # the key of a GGUF's kept formats in its hf_config (and cache entry)
 
 
-def gguf_quantization(hf_config: dict[str, Any]) -> GGUFQuantization:
+def gguf_quantization(hf_config: dict[str, Any]) -> StoredQuantization:
     """How a GGUF file's weights are kept, as `_gguf_hf_config` recorded it."""
-    return GGUFQuantization.from_json(hf_config.get(_GGUF_FORMATS, {}))
+    return StoredQuantization.from_json(hf_config.get(_GGUF_FORMATS, {}))
 
 
-def _gguf_hf_config(gguf_file: GGUFCheckpoint, dtype: str, log: bool = False) -> dict[str, Any]:
+def _gguf_hf_config(gguf_file: GGUFCheckpoint, dtype: str, keep: bool, log: bool = False) -> dict[str, Any]:
     """The file's HF config plus how its linear weights are kept (decided from the tensors'
-    formats alone): quantized where every layer's format is one paxserve keeps, at full width
-    where a layer's tensor is float or in another format (dequantized at load)."""
+    formats alone): with `keep`, quantized where every layer's format is one paxserve keeps, at
+    full width where a layer's tensor is float or in another format (dequantized at load)."""
     hf_config = gguf_file.hf_config()
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, "gguf")
-    kept, full = gguf_formats(arch.layout(cfg), cfg.num_layers, gguf_file.types)
-    if log:
+    kept, full = stored_formats(arch.layout(cfg), cfg.num_layers, "gguf", gguf_file.types,
+                                lambda types, width: GroupFormat.for_types(types) if keep else None, KEPT_TOP)
+    if log and keep:
         for path, fmt in kept.formats:
             logger.info("GGUF %s kept quantized: %s (%.2f bits per weight)", path, fmt.describe(), fmt.bits_per_weight())
         for path, types in full.items():
@@ -409,21 +445,53 @@ def _gguf_hf_config(gguf_file: GGUFCheckpoint, dtype: str, log: bool = False) ->
     return {**hf_config, _GGUF_FORMATS: kept.to_json()}
 
 
+def _hf_checkpoint(path: Path, hf_config: dict[str, Any], arch: Architecture, cfg: ModelConfig, log: bool = False
+                   ) -> tuple[Any, StoredQuantization | None]:
+    """The checkpoint's tensors, and for a compressed-tensors one, how its weights are kept (from
+    its headers and config alone)."""
+    raw = SafetensorsCheckpoint(path)
+    qc = hf_config.get("quantization_config") or {}
+    if qc.get("quant_method") != "compressed-tensors":
+        return raw, None
+    ct = CompressedCheckpoint(raw, WeightScheme.parse(qc, path))
+    names = ct.names()
+    device = jax.local_devices()[0]
+
+    def fmt(types: list[str], width: int) -> Any:
+        f = ct.format_for(types, width)
+        return WeightQuantization.for_device(f, device.platform, getattr(device, "compute_capability", None)) \
+            if isinstance(f, str) else f
+
+    kept, full = stored_formats(arch.layout(cfg), cfg.num_layers, "compressed-tensors",
+                                lambda name: ct.types(name) if name in names else ["not stored as such"], fmt)
+    if log:
+        logger.info("compressed-tensors checkpoint: %s; kept as stored: %s", ct.scheme.describe(),
+                    ", ".join(path for path, _ in kept.formats) or "none")
+        for field_path, types in full.items():
+            logger.info("compressed-tensors %s dequantized at load: its tensors are %s", field_path, "/".join(types))
+    return ct, kept
+
+
+# Checkpoints quantized already, read as stored (vLLM's method names).
+STORED_METHODS = ("gguf", "compressed-tensors")
+
+
 def resolve_quantization(method: str | None, kind: str, hf_config: dict[str, Any], source: str | Path
                          ) -> WeightQuantization | None:
     """The load-time quantization `method` asks for (None: none), checked against the checkpoint:
     one that is quantized already (a GGUF file, or a `quantization_config` in config.json) is read
     as it is, so asking for another method is an error naming both."""
     stored = "gguf" if kind == "gguf" else (hf_config.get("quantization_config") or {}).get("quant_method")
-    if kind == "hf" and "quantization_config" in hf_config:
+    if kind == "hf" and "quantization_config" in hf_config and stored not in STORED_METHODS:
         raise ValueError(f"{source} is a pre-quantized checkpoint (quantization_config: quant_method={stored!r}); "
-                         "paxserve does not read pre-quantized Hugging Face checkpoints yet: load the unquantized "
-                         "checkpoint, with --quantization fp8 or int8 to quantize it at load")
-    if method is None or (method == "gguf" and kind == "gguf"):
-        return None  # a GGUF file's own quantization: the loader reads how its weights are kept
-    if method == "gguf":
-        raise ValueError(f"quantization='gguf' is the method of .gguf files, and {source} is a Hugging Face "
-                         "checkpoint: drop it, or use fp8 / int8 to quantize this checkpoint at load")
+                         f"paxserve reads {', '.join(repr(m) for m in STORED_METHODS)} checkpoints, not this one yet: "
+                         "load the unquantized checkpoint, with --quantization fp8 or int8 to quantize it at load")
+    if method is None or method == stored:
+        return None  # a quantized checkpoint's own method: the loader reads how its weights are kept
+    if method in STORED_METHODS:
+        raise ValueError(f"quantization={method!r} is the method of {method} checkpoints, and {source} is "
+                         f"{'not quantized' if stored is None else f'a {stored} one'}: drop it, or use fp8 / int8 to "
+                         "quantize a float checkpoint at load")
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={method!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)} "
                          "(applied at load to a float checkpoint)")
@@ -452,12 +520,16 @@ def inspect_model(
     if kind == "hf":
         hf_config = _read_hf_config(path)
     else:
-        cached = _gguf_cache_entry(path, dtype, cache_dir) / "config.json"
-        hf_config = json.loads(cached.read_text()) if cached.exists() else _gguf_hf_config(GGUFCheckpoint(path), dtype)
+        keep = gguf_keeps_quantized(path, quantization)[0]
+        cached = _gguf_cache_entry(path, dtype, cache_dir, keep) / "config.json"
+        hf_config = json.loads(cached.read_text()) if cached.exists() else \
+            _gguf_hf_config(GGUFCheckpoint(path), dtype, keep)
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     quant = resolve_quantization(quantization, kind, hf_config, path)
     if kind == "gguf":
-        quant = gguf_quantization(hf_config)
+        quant = gguf_quantization(hf_config).formats and gguf_quantization(hf_config) or None
+    else:
+        quant = _hf_checkpoint(path, hf_config, arch, cfg)[1] or quant
     abstract = arch.abstract_params(cfg, np_dtype, quant)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
     return ModelInfo(config=cfg, dtype=np_dtype, weight_bytes=int(weight_bytes), quantization=quant)
@@ -531,12 +603,14 @@ def load_model(
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
         resolve_quantization(quantization, kind, {}, path)  # raises for fp8/int8: a GGUF is quantized already
+        keep, why = gguf_keeps_quantized(path, quantization)
+        logger.info("GGUF weights %s: %s", "kept quantized" if keep else "dequantized at load", why)
         params, hf_config, tokenizer, from_cache, tp = _load_gguf(path, dtype, cache_dir, use_param_cache,
-                                                                  tensor_parallel_size, enable_expert_parallel)
+                                                                  tensor_parallel_size, enable_expert_parallel, keep)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
-        quant = gguf_quantization(hf_config)
-        unquantized = None  # nothing was quantized at load
+        quant = gguf_quantization(hf_config).formats and gguf_quantization(hf_config) or None
+        unquantized = kv_scales = None  # nothing was quantized at load
     else:
         hf_config = _read_hf_config(path)
         generation_config = _read_generation_config(path)
@@ -546,11 +620,14 @@ def load_model(
         if isinstance(eos, (int, list)):
             cfg = cfg.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
         tp = _tensor_parallel(cfg, tensor_parallel_size, enable_expert_parallel)
-        ckpt = _as_laid_out(SafetensorsCheckpoint(path), arch)
+        raw, stored = _hf_checkpoint(path, hf_config, arch, cfg, log=True)
+        quant = stored or quant
+        ckpt = _as_laid_out(raw, arch)
         check_tensors(arch, cfg, ckpt.names(), ckpt.shape, str(path))
         params, unquantized = _convert(arch, cfg, ckpt, np_dtype,
                                        f"Loading {path.name}" + (f" ({quant.method})" if quant else ""),
-                                       None if tp is None else tp.place, quant, keep_unquantized)
+                                       None if tp is None else tp.place, quant, keep_unquantized, stored and raw)
+        kv_scales = raw.kv_scales(cfg.num_layers) if stored is not None else None
         tokenizer = tokenizer_from_directory(path) if tokenizer_override is None else None
         from_cache = False
     if tokenizer_override is not None:
@@ -580,5 +657,5 @@ def load_model(
     return LoadedModel(
         config=cfg, params=params, architecture=arch, tokenizer=tokenizer, dtype=np_dtype, source=str(path),
         generation_config=generation_config, load_seconds=seconds, from_cache=from_cache, tp=tp, quantization=quant,
-        unquantized_params=unquantized,
+        unquantized_params=unquantized, kv_scales=kv_scales,
     )

@@ -139,6 +139,9 @@ class GroupQuantizedWeight:
     offset: Any = None  # like scale, or None
     bits: int = struct.field(pytree_node=False, default=8)
     table: bool = struct.field(pytree_node=False, default=False)
+    # Subtracted from every 4-bit code before the scale: signed codes stored as unsigned nibbles
+    # (compressed-tensors' q + 8), so w = scale * (nibble - bias) rounds once, as its dequantization does.
+    bias: int = struct.field(pytree_node=False, default=0)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -170,7 +173,7 @@ class GroupQuantizedWeight:
             if self.bits == 4:
                 codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
             rows, groups = self.scale.shape
-            c = codes.reshape(rows, groups, -1).astype(jnp.float32)
+            c = codes.reshape(rows, groups, -1).astype(jnp.float32) - self.bias
             w = self.scale.astype(jnp.float32)[..., None] * c
             if self.offset is not None:
                 w = w + self.offset.astype(jnp.float32)[..., None]
@@ -181,7 +184,7 @@ class GroupQuantizedWeight:
             codes = pairs.reshape(*codes.shape[:-2], codes.shape[-2] * 2, codes.shape[-1])
         *lead, n_in, n_out = codes.shape
         groups = self.scale.shape[-2]
-        c = codes.reshape(*lead, groups, n_in // groups, n_out).astype(jnp.float32)
+        c = codes.reshape(*lead, groups, n_in // groups, n_out).astype(jnp.float32) - self.bias
         w = self.scale.astype(jnp.float32)[..., :, None, :] * c
         if self.offset is not None:
             w = w + self.offset.astype(jnp.float32)[..., :, None, :]

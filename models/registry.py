@@ -16,10 +16,11 @@ from paxserve.models import decoder, layout
 from paxserve.models.config import ModelConfig
 from paxserve.models.families import falcon, gemma3, llama, moe, qwen
 from paxserve.models.families.common import llama_layout
-from paxserve.models.gguf_weights import GGUFQuantization
 from paxserve.models.quant_weights import WeightQuantization
+from paxserve.models.stored_quantization import StoredQuantization
 
-Quantization = WeightQuantization | GGUFQuantization | None  # at load (fp8, int8) or as the file holds it (GGUF)
+# At load (fp8, int8), or as a quantized checkpoint stores it (GGUF, compressed-tensors).
+Quantization = WeightQuantization | StoredQuantization | None
 # Tensors some checkpoints carry that hold nothing the model needs (old rotary caches).
 _ROTARY_CACHES = ("rotary_emb.inv_freq",)
 
@@ -43,16 +44,16 @@ class Architecture:
 
     def params_from_hf(self, read: Callable[[str], np.ndarray], cfg: ModelConfig, dtype: np.dtype,
                        place: layout.Place | None = None, quantization: Quantization = None,
-                       keep_unquantized: bool = False, read_codes: Callable[[str], Any] | None = None
+                       keep_unquantized: bool = False, stored: layout.StoredReader | None = None
                        ) -> tuple[Any, Any]:
         """Assemble params from HF-named tensors (already checked for presence and shape); `place`
         puts each field on the device(s) (default: the default device); `quantization` quantizes
         the linear weights as they load. Returns (params, the unquantized params when
-        `keep_unquantized` and quantizing, else None). A GGUF file's quantized fields come through
-        `read_codes` and stay quantized (`quantization` is then the file's GGUFQuantization)."""
+        `keep_unquantized` and quantizing, else None). A quantized checkpoint's fields (`quantization`
+        is then its StoredQuantization) are read as stored through `stored` and stay quantized."""
         kwargs = {} if place is None else {"place": place}
         return layout.params_from_layout(self.layout(cfg), read, cfg.num_layers, dtype, quantization=quantization,
-                                         keep_unquantized=keep_unquantized, read_codes=read_codes, **kwargs)
+                                         keep_unquantized=keep_unquantized, stored=stored, **kwargs)
 
     def abstract_params(self, cfg: ModelConfig, dtype: np.dtype, quantization: Quantization = None
                         ) -> Any:

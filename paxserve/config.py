@@ -12,8 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the Pallas kernel on a GPU, the XLA reference on CPU (see pallas_kernels/dispatch.py).
 ATTENTION_BACKENDS = ("auto", "mosaic", "triton", "pallas", "reference")
 # `--quantization`: linear weights quantized at load (paxserve.models.quant_weights holds the formats),
-# or "gguf", a .gguf file's own (its weights are always kept as the file holds them; naming it is optional).
-QUANTIZATION_METHODS = ("fp8", "int8", "gguf")
+# or a quantized checkpoint's own ("gguf", "compressed-tensors": always read as stored; naming it is optional).
+QUANTIZATION_METHODS = ("fp8", "int8", "gguf", "compressed-tensors")
 # `--kv-cache-dtype` (vLLM's names): "auto" = the model's dtype; "fp8" = fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # With no GPU, the KV cache lives in host memory; like vLLM's CPU backend, take a fixed budget.
@@ -113,7 +113,7 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "auto"
     # vLLM's --quantization: None, "fp8" or "int8" (linear weights quantized at load, per output channel),
-    # or "gguf" (a .gguf file's own formats, which paxserve keeps whether or not it is named).
+    # or a quantized checkpoint's own ("gguf", "compressed-tensors"), kept as stored whether or not it is named.
     quantization: str | None = None
     # The start-up check of a quantized setting against the unquantized model: "on", "off", "top1=F,kl=F".
     quantization_check: str = "on"
@@ -192,7 +192,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise _bad("quantization", self.quantization,
                        f"must be None or one of {', '.join(QUANTIZATION_METHODS)} (fp8 and int8 quantize a float "
-                       "checkpoint at load; gguf is a .gguf file's own)")
+                       "checkpoint at load; the others name a quantized checkpoint's own)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise _bad("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":

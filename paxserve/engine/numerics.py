@@ -110,17 +110,23 @@ class NumericsPlan:
         if self.fp8_cache is None and self.weights is None:
             return None, None
         calculate = self.fp8_cache is not None and self.config.calculate_kv_scales
+        # Without --calculate-kv-scales, a checkpoint's own scales (vLLM's order of preference).
+        own = getattr(model, "kv_scales", None) if self.fp8_cache is not None and not calculate else None
+        if own is not None:
+            logger.info("fp8 KV cache scales from the checkpoint: K %.3g-%.3g, V %.3g-%.3g over the layers",
+                        own[0].min(), own[0].max(), own[1].min(), own[1].max())
         if self.stored is not None:
             result = CheckResult(**self.stored["result"])
             scales = tuple(np.asarray(self.stored[n], np.float32) for n in ("k_scale", "v_scale")) \
-                if calculate else None
+                if calculate else own
             logger.info("quantization check: this exact setting was checked on %s; its stored figures are used "
                         "(not run again)", self.stored["when"])
             enforce(result, self.thresholds, self.what)
             return scales, result
         if not self.check and not calculate:
-            self._warn_unit_scales()
-            return None, None
+            if own is None:
+                self._warn_unit_scales()
+            return own, None
         probe = make_probe(model, backend)
         reference_params = model.params if model.unquantized_params is None else model.unquantized_params
         start = time.perf_counter()
@@ -130,12 +136,12 @@ class NumericsPlan:
             reference_program = compiled_reference.result()
             served_program = None if compiled_served is None else compiled_served.result()
         reference, cache = probe.prefill(reference_params, compiled=reference_program)
-        scales = probe.scales_from(cache, self.fp8_cache) if calculate else None
+        scales = probe.scales_from(cache, self.fp8_cache) if calculate else own
         if calculate:
             logger.info("fp8 KV cache scales from %d tokens of fixed text (--calculate-kv-scales): K %.3g-%.3g, "
                         "V %.3g-%.3g over the layers", probe.positions, scales[0].min(), scales[0].max(),
                         scales[1].min(), scales[1].max())
-        elif self.fp8_cache is not None:
+        elif self.fp8_cache is not None and own is None:
             self._warn_unit_scales()
         if not self.check:
             return scales, None

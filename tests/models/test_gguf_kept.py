@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized: each format read as codes and group scales gives `gguf`'s own
+"""GGUF weights kept quantized (`--quantization gguf`; the default on accelerators): each format read as codes and group scales gives `gguf`'s own
 dequantized weights bit for bit; a tiny llama file mixing formats by layer (as Q4_K_M files do)
 keeps them packed, computes the dequantized file's logits exactly, splits over two devices with
 the same tokens, and falls back to full width for a float tensor; the real SmolLM2 (Q4_1) and Gemma
@@ -153,7 +153,9 @@ def _dequantized_load(path: Path, model: Any) -> Any:
 
 
 def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(mixed: Path, tmp_path: Path) -> None:
-    model = load_model(mixed, cache_dir=tmp_path)
+    default = load_model(mixed, cache_dir=tmp_path)  # on a CPU, a small file is dequantized at load (faster)
+    assert default.quantization is None and not isinstance(default.params.layers.qkv_w, GroupQuantizedWeight)
+    model = load_model(mixed, cache_dir=tmp_path, quantization="gguf")
     p = model.params
     assert isinstance(p.embed, GroupQuantizedWeight) and p.embed.table and p.embed.shape == (VOCAB, HIDDEN)
     qkv, gate_up, o = p.layers.qkv_w, p.layers.up_w, p.layers.o_w
@@ -163,10 +165,12 @@ def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(m
     assert (o.bits, o.group, o.offset is not None) == (8, 32, True)  # Q4_K and Q5_K
     assert model.quantization.method == "gguf"
     # The memory plan's figure (abstract shapes, no weights read) is what the loader placed.
-    info = inspect_model(mixed, cache_dir=tmp_path)
+    info = inspect_model(mixed, cache_dir=tmp_path, quantization="gguf")
     assert info.weight_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(p))
 
     reference = _dequantized_load(mixed, model)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(reference),
+                                                    jax.tree_util.tree_leaves(default.params)))
     for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(reference),
                                  jax.tree_util.tree_leaves(dequantize_kept(p, model.dtype))):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
@@ -180,7 +184,7 @@ def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(m
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
 
-    split = load_model(mixed, cache_dir=tmp_path, tensor_parallel_size=2)
+    split = load_model(mixed, cache_dir=tmp_path, tensor_parallel_size=2, quantization="gguf")
     codes = split.params.layers.o_w.codes  # row-parallel: values and group scales split together
     assert codes.addressable_shards[0].data.shape[-2] == HIDDEN // 2
     assert split.params.layers.o_w.scale.addressable_shards[0].data.shape[-2] == HIDDEN // 32 // 2
@@ -202,7 +206,7 @@ def test_real_files_kept_quantized_compute_the_dequantized_files_logits(name: st
     from paxserve.kernels import REFERENCE
     from paxserve.worker.quantization_check import CHECK_TEXTS, make_probe
 
-    model = load_model(None if name == "smollm2" else _gemma3_path())
+    model = load_model(None if name == "smollm2" else _gemma3_path(), quantization="gguf")
     assert model.quantization.method == "gguf"
     kept_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
     dequantized = dequantize_kept(model.params, model.dtype)

@@ -30,7 +30,7 @@ def test_the_config_and_the_formats_name_the_same_methods() -> None:
     from paxserve.config import KV_CACHE_DTYPES as KV_NAMES
     from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
 
-    assert QUANTIZATION_METHODS == (*FORMATS, "gguf")
+    assert QUANTIZATION_METHODS == (*FORMATS, "gguf", "compressed-tensors")
     assert set(KV_NAMES) == {"auto", *KV_CACHE_DTYPES}
 
 
@@ -152,7 +152,7 @@ def test_check_thresholds_parse(text: str, parsed: QuantizationCheck) -> None:
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(quantization="awq"), r"EngineConfig.quantization='awq' is invalid: must be None or one of fp8, int8, gguf"),
+    (dict(quantization="awq"), r"EngineConfig.quantization='awq' is invalid: must be None or one of fp8, int8, gguf, compressed-tensors"),
     (dict(quantization_check="top1=2"), r"quantization_check='top1=2' is invalid"),
     (dict(quantization_check="strict"), r"quantization_check='strict' is invalid"),
 ])
@@ -166,7 +166,7 @@ def test_a_quantized_checkpoint_is_not_quantized_again(tiny: Path, tmp_path: Pat
 
     with pytest.raises(ValueError, match=r"quantization='int8' cannot apply to .*gguf.*quantized already \(gguf\)"):
         load_model(default_model_path(), quantization="int8")
-    with pytest.raises(ValueError, match=r"quantization='gguf' is the method of .gguf files"):
+    with pytest.raises(ValueError, match=r"quantization='gguf' is the method of gguf checkpoints.*not quantized"):
         load_model(tiny, quantization="gguf")
     pre = tmp_path / "pre"
     pre.mkdir()
