@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from paxserve.models.bundled import default_model_path
+from paxserve.models.awq_gptq import GroupCheckpoint, GroupScheme
 from paxserve.models.compressed_tensors import CompressedCheckpoint, WeightScheme
 from paxserve.models.config import ModelConfig, model_config_from_hf
 from paxserve.models.gguf_io import GGUFCheckpoint
@@ -447,13 +448,15 @@ def _gguf_hf_config(gguf_file: GGUFCheckpoint, dtype: str, keep: bool, log: bool
 
 def _hf_checkpoint(path: Path, hf_config: dict[str, Any], arch: Architecture, cfg: ModelConfig, log: bool = False
                    ) -> tuple[Any, StoredQuantization | None]:
-    """The checkpoint's tensors, and for a compressed-tensors one, how its weights are kept (from
-    its headers and config alone)."""
+    """The checkpoint's tensors, and for a pre-quantized one (compressed-tensors, AWQ, GPTQ), how its
+    weights are kept (from its headers and config alone)."""
     raw = SafetensorsCheckpoint(path)
     qc = hf_config.get("quantization_config") or {}
-    if qc.get("quant_method") != "compressed-tensors":
+    method = qc.get("quant_method")
+    if method not in STORED_METHODS:
         return raw, None
-    ct = CompressedCheckpoint(raw, WeightScheme.parse(qc, path))
+    ct = CompressedCheckpoint(raw, WeightScheme.parse(qc, path)) if method == "compressed-tensors" else \
+        GroupCheckpoint(raw, GroupScheme.parse(qc, path))
     names = ct.names()
     device = jax.local_devices()[0]
 
@@ -462,18 +465,18 @@ def _hf_checkpoint(path: Path, hf_config: dict[str, Any], arch: Architecture, cf
         return WeightQuantization.for_device(f, device.platform, getattr(device, "compute_capability", None)) \
             if isinstance(f, str) else f
 
-    kept, full = stored_formats(arch.layout(cfg), cfg.num_layers, "compressed-tensors",
+    kept, full = stored_formats(arch.layout(cfg), cfg.num_layers, method,
                                 lambda name: ct.types(name) if name in names else ["not stored as such"], fmt)
     if log:
-        logger.info("compressed-tensors checkpoint: %s; kept as stored: %s", ct.scheme.describe(),
+        logger.info("%s checkpoint: %s; kept as stored: %s", method, ct.scheme.describe(),
                     ", ".join(path for path, _ in kept.formats) or "none")
         for field_path, types in full.items():
-            logger.info("compressed-tensors %s dequantized at load: its tensors are %s", field_path, "/".join(types))
+            logger.info("%s %s dequantized at load: its tensors are %s", method, field_path, "/".join(types))
     return ct, kept
 
 
 # Checkpoints quantized already, read as stored (vLLM's method names).
-STORED_METHODS = ("gguf", "compressed-tensors")
+STORED_METHODS = ("gguf", "compressed-tensors", "awq", "gptq")
 
 
 def resolve_quantization(method: str | None, kind: str, hf_config: dict[str, Any], source: str | Path

@@ -12,8 +12,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the Pallas kernel on a GPU, the XLA reference on CPU (see pallas_kernels/dispatch.py).
 ATTENTION_BACKENDS = ("auto", "mosaic", "triton", "pallas", "reference")
 # `--quantization`: linear weights quantized at load (paxserve.models.quant_weights holds the formats),
-# or a quantized checkpoint's own ("gguf", "compressed-tensors": always read as stored; naming it is optional).
-QUANTIZATION_METHODS = ("fp8", "int8", "gguf", "compressed-tensors")
+# or a quantized checkpoint's own ("gguf", "compressed-tensors", "awq", "gptq": always read as stored; naming
+# it is optional).
+QUANTIZATION_METHODS = ("fp8", "int8", "gguf", "compressed-tensors", "awq", "gptq")
 # `--kv-cache-dtype` (vLLM's names): "auto" = the model's dtype; "fp8" = fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # With no GPU, the KV cache lives in host memory; like vLLM's CPU backend, take a fixed budget.
@@ -113,7 +114,7 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "auto"
     # vLLM's --quantization: None, "fp8" or "int8" (linear weights quantized at load, per output channel),
-    # or a quantized checkpoint's own ("gguf", "compressed-tensors"), kept as stored whether or not it is named.
+    # or a quantized checkpoint's own ("gguf", "compressed-tensors", "awq", "gptq"), kept as stored either way.
     quantization: str | None = None
     # The start-up check of a quantized setting against the unquantized model: "on", "off", "top1=F,kl=F".
     quantization_check: str = "on"

@@ -124,8 +124,8 @@ def _add_quantization_flags(group: argparse._ActionsContainer) -> None:
                        help="quantize the linear weights of a float checkpoint at load, per output channel: fp8 "
                             "(fp8 x fp8 matmuls on GPUs with fp8 tensor cores, weight-only elsewhere) or int8 "
                             "(weight-only); embeddings, norms, the LM head and MoE routers keep their width. gguf, "
-                            "compressed-tensors: a quantized checkpoint's own method, always read as stored (the "
-                            "flag is optional)")
+                            "compressed-tensors, awq, gptq: a quantized checkpoint's own method, always read as "
+                            "stored (the flag is optional)")
     group.add_argument("--quantization-check", default="on", metavar="on|off|top1=F,kl=F",
                        help="at start, compare a quantized setting with the unquantized model on fixed prompts and "
                             "refuse to start below the thresholds (default on: top-1 agreement >= 0.90, mean KL "
