@@ -1,44 +1,41 @@
 """Load a model: resolve the source, read its config, check and convert its tensors, load its tokenizer.
 
 Sources: a Hugging Face checkpoint directory (`config.json` + safetensors), a `.gguf` file (or a
-directory holding one), or None for the bundled default. GGUF conversion (dequantisation) is slow,
-so its result is cached on disk as one safetensors file, keyed by the file and the target dtype.
+directory holding one), or None for the bundled default. A GGUF file's conversion is slow, so its
+result goes to the on-disk param cache (models/param_cache.py), keyed by the file, the target dtype
+and whether its weights stay quantized. Pre-quantized checkpoints (GGUF, compressed-tensors, AWQ,
+GPTQ) are read as stored (models/stored_quantization.py and the format modules).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import ml_dtypes
 import numpy as np
-import safetensors
-import safetensors.numpy
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from paxserve.models.bundled import default_model_path
 from paxserve.models.awq_gptq import GroupCheckpoint, GroupScheme
+from paxserve.models.bundled import default_model_path
 from paxserve.models.compressed_tensors import CompressedCheckpoint, WeightScheme
 from paxserve.models.config import ModelConfig, model_config_from_hf
 from paxserve.models.gguf_io import GGUFCheckpoint
 from paxserve.models.gguf_weights import KEPT_TYPES, GroupFormat
 from paxserve.models.layout import KEPT_TOP, stored_formats
-from paxserve.models.stored_quantization import StoredQuantization
+from paxserve.models.param_cache import cache_key, cache_root, converting, restore_cached, save_cached
 from paxserve.models.quant_weights import QUANTIZATION_METHODS, WeightQuantization
 from paxserve.models.registry import Architecture, Quantization, get_architecture
 from paxserve.models.safetensors_io import SafetensorsCheckpoint
 from paxserve.models.sharding import TensorParallel, map_fields, param_bytes
+from paxserve.models.stored_quantization import StoredQuantization
 from paxserve.models.tokenizer import tokenizer_from_directory, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -48,15 +45,6 @@ DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
 }
-# Bump when the params layout or a conversion changes, so stale cache entries are not reused.
-# 4: the cache entry is a safetensors file (it was an orbax checkpoint, which took 1.3 s to restore
-# the bundled model's 513 MiB and 0.35 s to import; this reads it in about 0.4 s).
-# 5: GGUF linear weights kept quantized (their formats in the entry's config.json).
-_CONVERTER_VERSION = "5"  # 2: one decoder for every family (params pytree reshaped); 3: MoE stacks
-_PARAMS_FILE = "params.safetensors"
-# Leaves are stored as unsigned integers of their width, since safetensors' numpy side has no
-# bfloat16; each leaf's real dtype is in the file's metadata.
-_RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclass
@@ -145,26 +133,9 @@ def check_tensors(
         raise ValueError(f"checkpoint {source} does not match {cfg.architecture}: " + "; ".join(problems))
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """paxserve's on-disk cache: `cache_dir` if given, else $XDG_CACHE_HOME/paxserve (~/.cache/paxserve)."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "paxserve"
-
-
-def _cache_key(path: Path, dtype: np.dtype) -> str:
-    st = path.stat()
-    ident = f"{path}|{st.st_size}|{st.st_mtime_ns}|{dtype.name}|{_CONVERTER_VERSION}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:24]
-
-
-_COMPLETE = "complete"  # written last, so a half-written entry is never read
-
-
 def _gguf_cache_entry(path: Path, dtype: str, cache_dir: str | os.PathLike | None, keep: bool = True) -> Path:
     # The key needs the resolved dtype, which for GGUF does not depend on the file's contents.
-    key = _cache_key(path, resolve_dtype(dtype, {}, "gguf"))
+    key = cache_key(path, resolve_dtype(dtype, {}, "gguf"))
     return cache_root(cache_dir) / "params" / (key if keep else f"{key}-dequantized")
 
 
@@ -185,76 +156,6 @@ def gguf_keeps_quantized(path: Path, method: str | None) -> tuple[bool, str]:
                       f"{ram / 2**30:.1f} GiB")
     return False, ("on a CPU, dequantized weights decode about 2x faster (XLA:CPU materializes each dequantized "
                    "weight); --quantization gguf keeps them quantized")
-
-
-def _restore_cached(entry: Path, abstract_of: Callable[[dict[str, Any]], Any]) -> tuple[Any, dict, Any] | None:
-    """(params, hf_config, tokenizer) from a cache entry, or None when there is no usable entry."""
-    from transformers import AutoTokenizer
-
-    if not (entry / _COMPLETE).exists():
-        return None
-    try:
-        hf_config = json.loads((entry / "config.json").read_text())
-        params = _read_params(entry / _PARAMS_FILE, abstract_of(hf_config))
-        tokenizer = AutoTokenizer.from_pretrained(str(entry / "tokenizer"), local_files_only=True)
-        return params, hf_config, tokenizer
-    except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
-        logger.warning("param cache at %s is unreadable (%s); converting again", entry, e)
-        # Unmarked, so the conversion's entry replaces it instead of leaving it to fail every start.
-        (entry / _COMPLETE).unlink(missing_ok=True)
-        return None
-
-
-def _write_params(path: Path, params: Any) -> None:
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    tensors, dtypes = {}, {}
-    for key_path, leaf in leaves:
-        name = jax.tree_util.keystr(key_path)
-        array = np.ascontiguousarray(np.asarray(leaf))
-        tensors[name] = array.view(_RAW[array.dtype.itemsize])
-        dtypes[name] = array.dtype.name
-    safetensors.numpy.save_file(tensors, str(path), metadata={"dtypes": json.dumps(dtypes)})
-
-
-def _read_params(path: Path, abstract: Any) -> Any:
-    """The params written by `_write_params`, checked leaf by leaf against the model's abstract
-    params (name, shape and dtype): a mismatch raises, and the entry is converted again."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    out = []
-    with safetensors.safe_open(str(path), framework="numpy") as f:
-        dtypes = json.loads(f.metadata()["dtypes"])
-        for key_path, spec in leaves:
-            name = jax.tree_util.keystr(key_path)
-            array = f.get_tensor(name).view(np.dtype(dtypes[name]))
-            if array.shape != tuple(spec.shape) or array.dtype != spec.dtype:
-                raise ValueError(f"{name} is {array.dtype.name}{list(array.shape)}, the model needs "
-                                 f"{np.dtype(spec.dtype).name}{list(spec.shape)}")
-            out.append(jax.numpy.asarray(array))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer: Any) -> None:
-    """Write the entry beside its final name and rename it into place, so that processes loading
-    the same file at once (replicas starting together) never read or overwrite a half-written one:
-    the first complete entry wins and the others drop theirs."""
-    staging = entry.parent / f".{entry.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        staging.mkdir(parents=True)
-        _write_params(staging / _PARAMS_FILE, params)
-        (staging / "config.json").write_text(json.dumps(hf_config))
-        tokenizer.save_pretrained(str(staging / "tokenizer"))
-        (staging / _COMPLETE).write_text("ok")
-        if entry.exists() and not (entry / _COMPLETE).exists():  # a damaged entry: replace it
-            shutil.rmtree(entry, ignore_errors=True)
-        try:
-            staging.rename(entry)  # atomic; refused when another process's entry is already there
-        except OSError:
-            if not (entry / _COMPLETE).exists():
-                raise
-    except Exception as e:  # noqa: BLE001 - caching is an optimisation; loading already succeeded
-        logger.warning("could not write param cache to %s: %s", entry, e)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,
@@ -362,48 +263,19 @@ def _load_gguf(
     if not use_cache:
         params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel, keep)
         return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
-    cached = _restore_cached(entry, abstract_of)
+    cached = restore_cached(entry, abstract_of)
     if cached is None:
         # Replicas starting together would each spend the whole conversion on the same file: the
         # first converts, the others wait for its entry and read it.
-        with _converting(entry, path):
-            cached = _restore_cached(entry, abstract_of)
+        with converting(entry, path):
+            cached = restore_cached(entry, abstract_of)
             if cached is None:
                 params, hf_config, tokenizer, tp = _convert_gguf(path, dtype, tp_size, expert_parallel, keep)
-                _save_cached(entry, params, hf_config, tokenizer)
+                save_cached(entry, params, hf_config, tokenizer)
                 return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, False, tp
     params, hf_config, tokenizer = cached
     tp = _tensor_parallel(_model_spec(hf_config, dtype, "gguf")[0], tp_size, expert_parallel)
     return (params if tp is None else _place_all(params, tp)), hf_config, tokenizer, True, tp
-
-
-@contextlib.contextmanager
-def _converting(entry: Path, path: Path) -> Iterator[None]:
-    """Hold the conversion lock of a cache entry (an advisory file lock beside the entries; none
-    where the platform has no `fcntl`)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    lock_path = entry.parent.with_name("params.locks") / entry.name
-    try:
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(lock_path, "a")  # noqa: SIM115 - held across the yield
-    except OSError as e:  # a read-only cache: convert unlocked (and the entry's write warns)
-        logger.debug("no conversion lock at %s: %s", lock_path, e)
-        yield
-        return
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("another process is converting %s: waiting for its param cache entry", path.name)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _convert_gguf(path: Path, dtype: str, tp_size: int, expert_parallel: bool, keep: bool
@@ -531,8 +403,8 @@ def inspect_model(
     quant = resolve_quantization(quantization, kind, hf_config, path)
     if kind == "gguf":
         quant = gguf_quantization(hf_config).formats and gguf_quantization(hf_config) or None
-    else:
-        quant = _hf_checkpoint(path, hf_config, arch, cfg)[1] or quant
+    elif (hf_config.get("quantization_config") or {}).get("quant_method") in STORED_METHODS:
+        quant = _hf_checkpoint(path, hf_config, arch, cfg)[1]  # from the headers: planning reads no weights
     abstract = arch.abstract_params(cfg, np_dtype, quant)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
     return ModelInfo(config=cfg, dtype=np_dtype, weight_bytes=int(weight_bytes), quantization=quant)

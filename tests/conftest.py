@@ -84,7 +84,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 LONGEST_FIRST = ("models/test_families.py", "models/test_gguf_real.py", "paxserve/test_engine.py",
                  "server/test_openai_api.py", "models/test_smollm2.py", "server/test_structured_server.py",
                  "models/test_tensor_parallel.py", "paxserve/test_multihost.py", "server/test_multihost_server.py",
-                 "paxserve/test_async_scheduling.py", "server/test_lm_eval.py", "paxserve/test_programs.py")
+                 "paxserve/test_async_scheduling.py", "server/test_lm_eval.py", "paxserve/test_programs.py",
+                 "models/test_compressed_tensors.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker

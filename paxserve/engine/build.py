@@ -31,7 +31,8 @@ from paxserve.engine.output_processor import OutputProcessor
 from paxserve.engine.stats import StatsLogger
 from paxserve.kernels import AttentionBackend, resolve_attention_backend
 from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
-from paxserve.models.loader import ModelInfo, cache_root, inspect_model, load_model
+from paxserve.models.loader import ModelInfo, inspect_model, load_model
+from paxserve.models.param_cache import cache_root
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, device_share, param_bytes
 from paxserve.worker.memory_plan import DeviceMemory, KVCachePlan, configure_allocator, device_memory, plan_kv_cache

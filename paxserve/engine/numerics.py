@@ -26,7 +26,8 @@ import ml_dtypes
 import numpy as np
 
 from paxserve.config import EngineConfig, QuantizationCheck
-from paxserve.models.loader import ModelInfo, cache_root, resolve_source
+from paxserve.models.loader import ModelInfo, resolve_source
+from paxserve.models.param_cache import cache_root
 from paxserve.models.quant_weights import WeightQuantization
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, param_bytes

@@ -258,29 +258,30 @@ def test_param_cache_entries_appear_whole_when_written_twice_or_over_a_damaged_o
     An entry left without its completion mark (a crashed writer) is converted again and replaced."""
     import jax
 
-    from paxserve.models.loader import _COMPLETE, _gguf_cache_entry, _load_gguf, _save_cached
+    from paxserve.models.loader import _gguf_cache_entry, _load_gguf
+    from paxserve.models.param_cache import COMPLETE, save_cached
 
     path = _convert(_random_model("qwen2", **CASES["qwen2"]), "qwen2", tmp_path / "tiny-qwen2.gguf")
     cache = tmp_path / "cache"
     params, hf_config, tokenizer, from_cache, _ = _load_gguf(path, "float32", cache, True)
     entry = _gguf_cache_entry(path, "float32", cache)
-    assert not from_cache and (entry / _COMPLETE).exists()
+    assert not from_cache and (entry / COMPLETE).exists()
 
     class WriterMidway:  # the second writer, caught halfway through (params written, tokenizer next)
         def save_pretrained(self, directory: str) -> None:
-            assert (entry / _COMPLETE).exists(), "a reader now would find no entry, or a torn one"
+            assert (entry / COMPLETE).exists(), "a reader now would find no entry, or a torn one"
             assert _load_gguf(path, "float32", cache, True)[3]
             tokenizer.save_pretrained(directory)
 
-    _save_cached(entry, params, hf_config, WriterMidway())  # the slower of two writers: its entry is dropped
+    save_cached(entry, params, hf_config, WriterMidway())  # the slower of two writers: its entry is dropped
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name], "a staging directory was left"
     again, _, _, from_cache, _ = _load_gguf(path, "float32", cache, True)
     assert from_cache
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    (entry / _COMPLETE).unlink()
+    (entry / COMPLETE).unlink()
     assert not _load_gguf(path, "float32", cache, True)[3]  # damaged: converted again
-    assert _load_gguf(path, "float32", cache, True)[3] and (entry / _COMPLETE).exists()
+    assert _load_gguf(path, "float32", cache, True)[3] and (entry / COMPLETE).exists()
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
     params_file = entry / "params.safetensors"  # a complete entry whose weights file was cut short
     params_file.write_bytes(params_file.read_bytes()[: params_file.stat().st_size // 2])
@@ -324,7 +325,7 @@ def test_param_cache_file_keeps_every_dtype_and_refuses_another_model(tmp_path: 
     import jax
     import jax.numpy as jnp
 
-    from paxserve.models.loader import _read_params, _write_params
+    from paxserve.models.param_cache import _read_params, _write_params
 
     params = {"embed": jnp.linspace(-3, 3, 12, dtype=jnp.bfloat16).reshape(3, 4),
               "layers": [jnp.full((2,), 0.1, jnp.float16), jnp.arange(5, dtype=jnp.float32)]}
