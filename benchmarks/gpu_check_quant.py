@@ -10,7 +10,8 @@
   and 8 KV heads of 128) against the same kernel on a bfloat16 cache, and against the XLA reference
   on the same fp8 pages.
 
-AWQ/GPTQ 4-bit checkpoints are not read yet; the Pallas weight-only matmul is not written yet.
+The 4-bit row is XLA's dequantize-then-dot (what GGUF, AWQ and GPTQ weights kept quantized run on
+today); the Pallas weight-only matmul is not written yet.
 """
 
 from __future__ import annotations

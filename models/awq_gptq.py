@@ -27,11 +27,10 @@ from typing import Any
 import numpy as np
 
 from paxserve.models.gguf_weights import GroupFormat, HostCodes
-from paxserve.models.stored_quantization import StoredModules
+from paxserve.models.stored_quantization import StoredModules, int32_nibbles
 
 _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of nibble k within its word's eight columns
 _SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
-_SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,6 @@ class GroupScheme:
 
     def describe(self) -> str:
         return f"{self.method} int4 per group of {self.group_size}"
-
-
-def _nibbles(words: np.ndarray) -> np.ndarray:
-    """[..., n] int32 -> [..., n, 8]: nibble k of each word (bits 4k..4k+3)."""
-    return ((words.astype(np.uint32)[..., None] >> _SHIFTS) & 0xF).astype(np.int16)
 
 
 class GroupCheckpoint(StoredModules):
@@ -107,13 +101,13 @@ class GroupCheckpoint(StoredModules):
         scales = np.asarray(self._ckpt.read(module + ".scales"), np.float32)
         if self.scheme.method == "awq":
             def along_out(words: np.ndarray) -> np.ndarray:
-                n = _nibbles(words)  # [rows, words, 8], nibble k = column ORDER[k]
+                n = int32_nibbles(words)  # [rows, words, 8], nibble k = column ORDER[k]
                 out = np.empty_like(n)
                 out[..., _AWQ_ORDER] = n
                 return out.reshape(words.shape[0], -1)
             return along_out(qweight), along_out(qzeros), scales
-        codes = _nibbles(qweight.T).reshape(qweight.shape[1], -1).T  # [in, out]: row 8w + k from nibble k
-        zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)
+        codes = int32_nibbles(qweight.T).reshape(qweight.shape[1], -1).T  # [in, out]: row 8w + k from nibble k
+        zeros = int32_nibbles(qzeros).reshape(qzeros.shape[0], -1)
         return codes, zeros + 1 if self.scheme.zeros_minus_one else zeros, scales
 
     def read_codes(self, name: str) -> HostCodes:

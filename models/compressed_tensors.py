@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from paxserve.models.gguf_weights import GroupFormat, HostCodes
-from paxserve.models.stored_quantization import StoredModules
+from paxserve.models.stored_quantization import StoredModules, int32_nibbles
 
 _QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".input_scale",
                    ".weight_global_scale", ".input_global_scale")
@@ -184,7 +184,8 @@ class CompressedCheckpoint(StoredModules):
 def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     """compressed-tensors' dense int32 packing along the last axis: code i at bit i * bits, stored as
     q + 2^(bits - 1); 4 and 8 bits never straddle a byte. Returns the signed codes [..., count]."""
-    raw = np.ascontiguousarray(packed).astype("<i4").view(np.uint8)
     if bits == 4:
-        raw = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(*raw.shape[:-1], -1)
+        raw = int32_nibbles(packed).reshape(*packed.shape[:-1], -1)
+    else:
+        raw = np.ascontiguousarray(packed).astype("<i4").view(np.uint8)
     return raw[..., :count].astype(np.int16) - (1 << (bits - 1))

@@ -209,19 +209,16 @@ class GroupFormat:
         scale = host.scale
         offset = host.offset if host.offset is not None else np.zeros_like(scale)
         codes = host.codes
-        if self.bits == 4 and self.bias:
-            codes = codes + self.bias
-            if codes.min(initial=0) < 0 or codes.max(initial=0) > 15:
-                raise ValueError("codes do not fit in 4 bits")
-            u = codes.astype(np.uint8)
-            codes = u[..., 0::2, :] | (u[..., 1::2, :] << np.uint8(4))
-        elif self.bits == 4:
-            # Signed parts (Q4_0) become unsigned nibbles c + 8, their offset -8 * scale: the same
-            # weights exactly (both terms and their sum are representable).
-            low = codes.reshape(*codes.shape[:-2], -1, self.group, codes.shape[-1]).min(axis=-2)
-            shift = np.where(low < 0, 8, 0).astype(np.int16)
-            offset = np.where(shift > 0, -8 * scale, offset)
-            codes = codes + np.repeat(shift, self.group, axis=-2)
+        if self.bits == 4:
+            if self.bias:  # one scheme's signed codes, stored shifted (the decoder subtracts the bias)
+                codes = codes + self.bias
+            else:
+                # Signed parts (Q4_0) become unsigned nibbles c + 8, their offset -8 * scale: the
+                # same weights exactly (both terms and their sum are representable).
+                low = codes.reshape(*codes.shape[:-2], -1, self.group, codes.shape[-1]).min(axis=-2)
+                shift = np.where(low < 0, 8, 0).astype(np.int16)
+                offset = np.where(shift > 0, -8 * scale, offset)
+                codes = codes + np.repeat(shift, self.group, axis=-2)
             if codes.min(initial=0) < 0 or codes.max(initial=0) > 15:
                 raise ValueError("codes do not fit in 4 bits")
             u = codes.astype(np.uint8)

@@ -110,7 +110,7 @@ FormatFor = Callable[[list[str], int], "GroupFormat | WeightQuantization | None"
 
 
 class StoredReader(Protocol):
-    """A quantized checkpoint's tensors as stored (models/gguf_io.py, models/compressed_tensors.py)."""
+    """A quantized checkpoint's tensors as stored (models/gguf_io.py, compressed_tensors.py, awq_gptq.py)."""
 
     def read_codes(self, name: str) -> HostCodes: ...
 
@@ -198,21 +198,16 @@ def params_from_layout(
 
     def kept(path: str, leaf: Leaf, layers: tuple[int, ...] | None, fmt: GroupFormat) -> GroupQuantizedWeight:
         if layers is None:  # the embedding (encoded as the tied head's [H, V], stored as a table) or the LM head
-            one = fmt.encode(_build_codes(leaf, read_codes, None, fmt.group))
-            one = one.as_table() if path == "embed" else one
-            return GroupQuantizedWeight(**{name: None if a is None else place(f"{path}.{name}", a) for name, a in
-                                           (("codes", one.codes), ("scale", one.scale), ("offset", one.offset))},
-                                        bits=fmt.bits, table=one.table, bias=fmt.bias)
-        spec = fmt.abstract((len(layers), *leaf.shape()))
-        bufs = {name: None if a is None else np.empty(a.shape, a.dtype)
-                for name, a in (("codes", spec.codes), ("scale", spec.scale), ("offset", spec.offset))}
-        for row, i in enumerate(layers):
-            one = fmt.encode(_build_codes(leaf, read_codes, i, fmt.group))
-            for name, buf in bufs.items():
-                if buf is not None:
-                    buf[row] = getattr(one, name)
-        return GroupQuantizedWeight(**{name: None if buf is None else place(f"{path}.{name}", buf)
-                                       for name, buf in bufs.items()}, bits=fmt.bits, bias=fmt.bias)
+            host = fmt.encode(_build_codes(leaf, read_codes, None, fmt.group))
+            host = host.as_table() if path == "embed" else host
+        else:  # stacked over the layers, filled in place
+            host = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), fmt.abstract((len(layers), *leaf.shape())))
+            for row, i in enumerate(layers):
+                one = fmt.encode(_build_codes(leaf, read_codes, i, fmt.group))
+                for buf, value in zip(jax.tree.leaves(host), jax.tree.leaves(one)):
+                    buf[row] = value
+        return host.replace(**{name: place(f"{path}.{name}", getattr(host, name))
+                               for name in ("codes", "scale", "offset") if getattr(host, name) is not None})
 
     def channel(path: str, leaf: Leaf, layers: tuple[int, ...], fmt: WeightQuantization) -> QuantizedWeight:
         """Values stored per channel (an fp8 or int8 checkpoint): its parts' rows and scales side by side."""

@@ -61,7 +61,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     from_cache: bool = False
     tp: TensorParallel | None = None  # how params are split over devices (None: one device)
-    quantization: Quantization = None  # how the linear weights were quantized at load, or a GGUF's kept
+    quantization: Quantization = None  # how the linear weights were quantized at load, or kept as stored
     # The same model unquantized (`load_model(keep_unquantized=True)`), for the start-up numerics
     # check; whoever asked for it drops it (sets it to None) before the KV cache is made.
     unquantized_params: Any = None
@@ -301,6 +301,11 @@ def gguf_quantization(hf_config: dict[str, Any]) -> StoredQuantization:
     return StoredQuantization.from_json(hf_config.get(_GGUF_FORMATS, {}))
 
 
+def _kept(quantization: StoredQuantization) -> StoredQuantization | None:
+    """The stored quantization, or None when it keeps no field quantized (a GGUF dequantized at load)."""
+    return quantization if quantization.formats else None
+
+
 def _gguf_hf_config(gguf_file: GGUFCheckpoint, dtype: str, keep: bool, log: bool = False) -> dict[str, Any]:
     """The file's HF config plus how its linear weights are kept (decided from the tensors'
     formats alone): with `keep`, quantized where every layer's format is one paxserve keeps, at
@@ -402,7 +407,7 @@ def inspect_model(
     cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
     quant = resolve_quantization(quantization, kind, hf_config, path)
     if kind == "gguf":
-        quant = gguf_quantization(hf_config).formats and gguf_quantization(hf_config) or None
+        quant = _kept(gguf_quantization(hf_config))
     elif (hf_config.get("quantization_config") or {}).get("quant_method") in STORED_METHODS:
         quant = _hf_checkpoint(path, hf_config, arch, cfg)[1]  # from the headers: planning reads no weights
     abstract = arch.abstract_params(cfg, np_dtype, quant)
@@ -484,7 +489,7 @@ def load_model(
                                                                   tensor_parallel_size, enable_expert_parallel, keep)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
-        quant = gguf_quantization(hf_config).formats and gguf_quantization(hf_config) or None
+        quant = _kept(gguf_quantization(hf_config))
         unquantized = kv_scales = None  # nothing was quantized at load
     else:
         hf_config = _read_hf_config(path)

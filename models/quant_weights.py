@@ -168,27 +168,20 @@ class GroupQuantizedWeight:
         """The weight at `dtype`, rounded once from the float32 value: what a dequantizing loader
         would have stored, bit for bit. The decoder calls it inside each product, so the full-width
         weight exists only for the layer being computed."""
-        if self.table:  # the same arithmetic along the last axis
-            codes = self.codes
-            if self.bits == 4:
-                codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
-            rows, groups = self.scale.shape
-            c = codes.reshape(rows, groups, -1).astype(jnp.float32) - self.bias
-            w = self.scale.astype(jnp.float32)[..., None] * c
-            if self.offset is not None:
-                w = w + self.offset.astype(jnp.float32)[..., None]
-            return w.reshape(rows, -1).astype(dtype)
+        # Groups (and nibble pairs) run along `in`: the second-to-last axis, or a table's last.
+        axis = -1 if self.table else -2
         codes = self.codes
         if self.bits == 4:
-            pairs = jnp.stack([codes & 0xF, codes >> 4], axis=-2)  # [..., in // 2, 2, out]
-            codes = pairs.reshape(*codes.shape[:-2], codes.shape[-2] * 2, codes.shape[-1])
-        *lead, n_in, n_out = codes.shape
-        groups = self.scale.shape[-2]
-        c = codes.reshape(*lead, groups, n_in // groups, n_out).astype(jnp.float32) - self.bias
-        w = self.scale.astype(jnp.float32)[..., :, None, :] * c
+            pairs = jnp.stack([codes & 0xF, codes >> 4], axis=axis)  # byte i -> inputs 2i, 2i + 1
+            codes = pairs.reshape(self.shape)
+        i = codes.ndim + axis
+        groups = self.scale.shape[axis]
+        c = codes.reshape(*codes.shape[:i], groups, codes.shape[i] // groups, *codes.shape[i + 1:])
+        c = c.astype(jnp.float32) - self.bias
+        w = jnp.expand_dims(self.scale.astype(jnp.float32), axis) * c
         if self.offset is not None:
-            w = w + self.offset.astype(jnp.float32)[..., :, None, :]
-        return w.reshape(*lead, n_in, n_out).astype(dtype)
+            w = w + jnp.expand_dims(self.offset.astype(jnp.float32), axis)
+        return w.reshape(codes.shape).astype(dtype)
 
     def as_table(self) -> "GroupQuantizedWeight":
         """An `[hidden, vocab]` weight (numpy leaves or ShapeDtypeStructs) stored as an embedding table."""
@@ -204,6 +197,3 @@ def dequantize_kept(params: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda w: w.dequantize(dtype) if isinstance(w, GroupQuantizedWeight) else w, params,
                         is_leaf=lambda w: isinstance(w, GroupQuantizedWeight))
 
-
-def is_quantized(w: Any) -> bool:
-    return isinstance(w, (QuantizedWeight, GroupQuantizedWeight))

@@ -19,7 +19,7 @@ from paxserve.models.families.common import llama_layout
 from paxserve.models.quant_weights import WeightQuantization
 from paxserve.models.stored_quantization import StoredQuantization
 
-# At load (fp8, int8), or as a quantized checkpoint stores it (GGUF, compressed-tensors).
+# At load (fp8, int8), or as a quantized checkpoint stores it (GGUF, compressed-tensors, AWQ, GPTQ).
 Quantization = WeightQuantization | StoredQuantization | None
 # Tensors some checkpoints carry that hold nothing the model needs (old rotary caches).
 _ROTARY_CACHES = ("rotary_emb.inv_freq",)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from paxserve.models.gguf_weights import GroupFormat
 from paxserve.models.quant_weights import WeightQuantization
 
@@ -14,7 +16,7 @@ class StoredQuantization:
     """A checkpoint's weights kept as it stores them: the storage of each params field that is
     ("layers.qkv_w" -> a GroupFormat, or the per-channel WeightQuantization its values already
     have); fields not named load at full width. `method` is vLLM's name for the checkpoint's
-    quantization ("gguf", "compressed-tensors")."""
+    quantization ("gguf", "compressed-tensors", "awq", "gptq")."""
 
     method: str
     formats: tuple[tuple[str, GroupFormat | WeightQuantization], ...]
@@ -57,3 +59,11 @@ class StoredModules:
         """The quantized module `name` stands for, or None for a tensor stored as it is."""
         module = name.removesuffix(".weight")
         return module if name.endswith(".weight") and module in self._quantized else None
+
+
+def int32_nibbles(words: np.ndarray) -> np.ndarray:
+    """[..., n] int32 words of eight 4-bit codes -> [..., n, 8] int16: code k is bits 4k..4k+3
+    (the packing of AutoAWQ, AutoGPTQ and compressed-tensors alike; they differ in the axis and
+    the order of the columns)."""
+    return ((np.asarray(words).astype(np.uint32)[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 0xF
+            ).astype(np.int16)

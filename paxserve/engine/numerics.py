@@ -62,7 +62,8 @@ class NumericsPlan:
              memory: Any) -> "NumericsPlan":
         """`fp8`: the KV cache's fp8 dtype (None for a cache in the model's dtype); `memory`: the
         accelerator's, or None on a CPU."""
-        # A GGUF kept quantized computes the dequantized file's weights exactly: nothing to check.
+        # A checkpoint quantized already (GGUF, compressed-tensors, AWQ, GPTQ) is served with its own
+        # weights exactly: there is no unquantized model to check it against.
         weights = info.quantization.describe() if isinstance(info.quantization, WeightQuantization) else None
         thresholds = QuantizationCheck.parse(config.quantization_check)
         quantized = fp8 is not None or weights is not None
