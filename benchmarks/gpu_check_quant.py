@@ -3,15 +3,14 @@
 - The linear layers of one decode step at Llama-3-8B shapes (32 layers of q/k/v, o, gate/up and down
   projections, random weights made on the device), for a batch of 1, 16 and 64 tokens: bfloat16,
   int8 weight-only, fp8 weight-only, fp8 x fp8 with per-token activation scales (the path
-  `--quantization fp8` takes on Hopper) and 4-bit groups (a GGUF Q4_K file kept quantized, XLA
-  dequantizing inside the step), each next to the time its weight bytes take at the measured copy
-  bandwidth; the difference of each from the bfloat16 product.
+  `--quantization fp8` takes on Hopper) and 4-bit groups (a GGUF Q4_K file kept quantized), int8
+  and 4-bit each twice: XLA dequantizing inside the step, and the Mosaic GPU weight-only kernel
+  (pallas_kernels/mosaic_matmul.py, codes widened in registers) after its start-up self-check; each
+  next to the time its weight bytes take at the measured copy bandwidth; the difference of each from
+  the bfloat16 product, and of each kernel row from the XLA row of the same weights.
 - The Triton decode-only kernel on an fp8 KV cache (uint8 bits, 64 sequences x 4k context, 32 query
   and 8 KV heads of 128) against the same kernel on a bfloat16 cache, and against the XLA reference
   on the same fp8 pages.
-
-The 4-bit row is XLA's dequantize-then-dot (what GGUF, AWQ and GPTQ weights kept quantized run on
-today); the Pallas weight-only matmul is not written yet.
 """
 
 from __future__ import annotations
@@ -30,8 +29,9 @@ import numpy as np
 
 from paxserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from paxserve.kernels.kv_cache import fp8_bits
+from paxserve.kernels.matmul_dispatch import MatmulKernel, self_check_matmul
 from paxserve.models.layers import dense
-from paxserve.models.quant_weights import GroupQuantizedWeight, WeightQuantization
+from paxserve.models.quant_weights import GroupQuantizedWeight, WeightQuantization, with_matmul_kernel
 
 Row = Callable[..., None]
 FP8 = "float8_e4m3fn"
@@ -51,7 +51,8 @@ def four_bit(w: jax.Array) -> GroupQuantizedWeight:
 
 
 def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None) -> None:
-    hidden, inter, layers = (64, 128, 2) if smoke else (4096, 14336, 32)
+    # Smoke: the smallest widths the Mosaic GPU kernel serves (inputs a multiple of 128).
+    hidden, inter, layers = (128, 128, 2) if smoke else (4096, 14336, 32)
     q_out = hidden + 2 * (hidden // 4)  # 32 query heads, 8 KV heads
     shapes = {"qkv": (hidden, q_out), "o": (hidden, hidden), "up": (hidden, 2 * inter), "down": (inter, hidden)}
     key = jax.random.key(1)
@@ -74,7 +75,17 @@ def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | 
                                ("fp8 x fp8", "fp8", True)):
         quantize = jax.jit(functools.partial(WeightQuantization(method, act).quantize, xp=jnp))
         settings[label] = {n: quantize(w) for n, w in weights.items()}
-    settings["4-bit groups of 32 (GGUF Q4_K's storage)"] = {n: four_bit(w) for n, w in weights.items()}
+    four = "4-bit groups of 32 (GGUF Q4_K's storage)"
+    settings[four] = {n: four_bit(w) for n, w in weights.items()}
+    kernel = MatmulKernel(interpret=smoke)
+    failure = self_check_matmul(kernel, jnp.bfloat16)
+    row("q", "Mosaic GPU weight-only matmul: start-up self-check (5 kinds of weight vs XLA's)",
+        "PASS" if failure is None else "FAIL", failure or "")
+    same_weights = {}
+    if failure is None:
+        for label in ("int8 weight-only", four):
+            same_weights[f"{label}, Mosaic GPU kernel"] = label
+            settings[f"{label}, Mosaic GPU kernel"] = with_matmul_kernel(settings[label], kernel)
     nbytes = {label: sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(ws)) for label, ws in settings.items()}
     for tokens in (4,) if smoke else (1, 16, 64):
         x = (jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, hidden)) * 0.5).astype(jnp.bfloat16)
@@ -85,8 +96,11 @@ def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | 
             if bw:
                 note += f", bound {1e3 * nbytes[label] / bw:.3f} ms ({100 * nbytes[label] / t / bw:.0f}% of copy BW)"
             if label != "bfloat16":
-                err = float(np.max(np.abs(np.asarray(run(ws, x), np.float32) - base)) / np.max(np.abs(base)))
-                note += f"; vs bfloat16 max rel diff {err:.1e}"
+                out = np.asarray(run(ws, x), np.float32)
+                note += f"; vs bfloat16 max rel diff {float(np.max(np.abs(out - base)) / np.max(np.abs(base))):.1e}"
+                if label in same_weights:
+                    xla = np.asarray(run(settings[same_weights[label]], x), np.float32)
+                    note += f", vs XLA on the same weights {float(np.max(np.abs(out - xla)) / np.max(np.abs(xla))):.1e}"
             row("q", f"decode-step linears x{layers} layers, {tokens} tokens, {label}", f"{1e3 * t:.3f} ms", note)
 
 

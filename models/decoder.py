@@ -24,7 +24,7 @@ from paxserve.models.config import ModelConfig
 from paxserve.models.layers import dense, mlp, norm
 from paxserve.models.moe import MLPParams, MoEParams, moe_mlp, take_layer
 from paxserve.models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from paxserve.models.quant_weights import GroupQuantizedWeight
+from paxserve.models.quant_weights import GroupQuantizedWeight, group_matmul
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 from paxserve.kernels.metadata import NO_WINDOW
 from paxserve.kernels.alibi import alibi_slopes
@@ -200,12 +200,13 @@ def forward(
     (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (params.layers, scanned))
     h = norm(cfg.norm, x[metadata.logits_indices], params.final_norm, params.final_norm_b, eps)
     head = params.lm_head
-    if isinstance(head, GroupQuantizedWeight):
-        head = head.dequantize(h.dtype)
-    elif head is None:  # tied to the embedding
-        embed = params.embed
-        head = (embed.dequantize(h.dtype) if isinstance(embed, GroupQuantizedWeight) else embed).T
-    logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if isinstance(head, GroupQuantizedWeight):  # kept quantized: its own kernel, or dequantized by XLA
+        logits = group_matmul(h, head)
+    else:
+        if head is None:  # tied to the embedding
+            embed = params.embed
+            head = (embed.dequantize(h.dtype) if isinstance(embed, GroupQuantizedWeight) else embed).T
+        logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     if tp is not None and tp.vocab_parallel:  # each device holds one slice of the vocabulary

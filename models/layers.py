@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, quantized_matmul
+from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, group_matmul, quantized_matmul
 
 Reduce = Callable[[Array], Array]  # sums a row-parallel product's partial results over the devices
 
@@ -64,7 +64,7 @@ def dense(
     if isinstance(w, QuantizedWeight):
         y = quantized_matmul(x, w)
     elif isinstance(w, GroupQuantizedWeight):
-        y = jnp.dot(x, w.dequantize(x.dtype), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        y = group_matmul(x, w)
     else:
         y = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if reduce is not None:

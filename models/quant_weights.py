@@ -25,6 +25,8 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float
 
+from paxserve.kernels.matmul_dispatch import kernel_serves, run_kernel
+
 QUANTIZATION_METHODS = ("fp8", "int8")
 _STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 _QMAX = {"int8": 127.0, "fp8": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)}  # 448
@@ -40,6 +42,8 @@ class QuantizedWeight:
     q: Any  # [..., in, out] int8 or float8_e4m3fn
     scale: Any  # [..., 1, out] float32
     fp8_activations: bool = struct.field(pytree_node=False, default=False)
+    # The Pallas kernel the matmul runs (a `paxserve.kernels.MatmulKernel`), or None for XLA's.
+    kernel: Any = struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,6 +61,8 @@ class QuantizedWeight:
 def quantized_matmul(x: Float[Array, "T I"], w: QuantizedWeight) -> Float[Array, "T O"]:
     """x @ (q * scale) accumulated in float32, returned in float32 (the caller rounds once)."""
     scale = w.scale.reshape(w.scale.shape[-1])
+    if w.kernel is not None and not w.fp8_activations and kernel_serves(x, w.q, None, 8):
+        return run_kernel(w.kernel, x, w.q, None, None, 8, 0) * scale
     if w.fp8_activations:
         # Dynamic per-token scale: each row of x is scaled so its largest magnitude is fp8's max.
         x32 = x.astype(jnp.float32)
@@ -142,6 +148,7 @@ class GroupQuantizedWeight:
     # Subtracted from every 4-bit code before the scale: signed codes stored as unsigned nibbles
     # (compressed-tensors' q + 8), so w = scale * (nibble - bias) rounds once, as its dequantization does.
     bias: int = struct.field(pytree_node=False, default=0)
+    kernel: Any = struct.field(pytree_node=False, default=None)  # as QuantizedWeight's
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -189,6 +196,30 @@ class GroupQuantizedWeight:
             return jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T
 
         return jax.tree.map(flip, self).replace(table=True)
+
+
+def group_matmul(x: Float[Array, "T I"], w: GroupQuantizedWeight) -> Float[Array, "T O"]:
+    """x @ w.dequantize(x.dtype) accumulated in float32: on the weight's kernel when it serves the
+    shapes (the codes widened tile by tile in registers), else dequantized whole by XLA first."""
+    if w.kernel is not None and not w.table and kernel_serves(x, w.codes, w.scale.shape[-2], w.bits):
+        return run_kernel(w.kernel, x, w.codes, w.scale, w.offset, w.bits, w.bias)
+    return jnp.dot(x, w.dequantize(x.dtype), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def with_matmul_kernel(params: Any, kernel: Any) -> Any:
+    """`params` with every quantized linear weight set to run on `kernel` (a `MatmulKernel`, or None
+    for XLA's path); the arrays are the same ones, only the static choice changes."""
+    return jax.tree.map(lambda w: w.replace(kernel=kernel) if _is_quantized(w) else w, params, is_leaf=_is_quantized)
+
+
+def matmul_kernel(params: Any) -> Any:
+    """The kernel `params`' quantized weights run on (set by `with_matmul_kernel`), or None."""
+    kernels = {w.kernel for w in jax.tree.leaves(params, is_leaf=_is_quantized) if _is_quantized(w)}
+    return next(iter(kernels)) if len(kernels) == 1 else None
+
+
+def _is_quantized(w: Any) -> bool:
+    return isinstance(w, (QuantizedWeight, GroupQuantizedWeight))
 
 
 def dequantize_kept(params: Any, dtype: Any) -> Any:

@@ -31,8 +31,10 @@ from paxserve.engine.output_processor import OutputProcessor
 from paxserve.engine.stats import StatsLogger
 from paxserve.kernels import AttentionBackend, resolve_attention_backend
 from paxserve.kernels.kv_cache import KV_CACHE_DTYPES
+from paxserve.kernels.matmul_dispatch import resolve_matmul_kernel
 from paxserve.models.loader import ModelInfo, inspect_model, load_model
 from paxserve.models.param_cache import cache_root
+from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, with_matmul_kernel
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, device_share, param_bytes
 from paxserve.worker.memory_plan import DeviceMemory, KVCachePlan, configure_allocator, device_memory, plan_kv_cache
@@ -138,6 +140,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        tensor_parallel_size=config.tensor_parallel_size,
                        enable_expert_parallel=config.enable_expert_parallel, quantization=config.quantization,
                        keep_unquantized=keep_unquantized)
+    _choose_matmul_kernel(config, model)
     kv_scales, numerics_check = numerics.run(model, attention_backend)
     # vLLM's --generation-config: defaults for the sampling fields a request leaves unset.
     sampling_defaults, defaults_line = file_defaults or resolve_sampling_defaults(
@@ -169,6 +172,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.warmup:
         parts.warmup_seconds = _warmup(runner, config.max_num_seqs, max_num_batched_tokens)
     return parts
+
+
+def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:
+    """Weights kept quantized run their matmuls on the Mosaic GPU kernel where it passes its
+    self-check (`resolve_matmul_kernel`); the choice is stored on the weights themselves. Before the
+    numerics check, so that the check measures the path that serves."""
+    is_quantized = lambda w: isinstance(w, (QuantizedWeight, GroupQuantizedWeight))  # noqa: E731
+    quantized = [w for w in jax.tree.leaves(model.params, is_leaf=is_quantized) if is_quantized(w)]
+    if not quantized:
+        return
+    device = jax.local_devices()[0]
+    kernel = resolve_matmul_kernel(config.attention_backend, device.platform, dtype=model.dtype,
+                                   compute_capability=getattr(device, "compute_capability", None))
+    if kernel is not None:
+        model.params = with_matmul_kernel(model.params, kernel)
+        logger.info("quantized matmuls: %d quantized weight fields run on the Mosaic GPU kernel wherever their "
+                    "shapes allow (inputs a multiple of 128, outputs of 64; an fp8 x fp8 product stays XLA's)",
+                    len(quantized))
 
 
 def _join_cluster(config: EngineConfig, backend_running: bool) -> Cluster | None:

@@ -31,6 +31,7 @@ from paxserve.core.scheduler import SchedulerOutput
 from paxserve.kernels import REFERENCE, AttentionBackend, KVCache
 from paxserve.models.config import ModelConfig
 from paxserve.models.loader import LoadedModel
+from paxserve.models.quant_weights import matmul_kernel
 from paxserve.worker.input_batch import InputBatch, PreparedStep
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.sampling.host_inputs import (
@@ -141,7 +142,8 @@ class ModelRunner:
         self.sampler_state = self._new_sampler_state()
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
                                  self.num_state_rows, attention_backend, model.tp, model.quantization,
-                                 None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype)
+                                 None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype,
+                                 matmul_kernel(model.params))
         common = "|".join([environment_fingerprint(), source_fingerprint()])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),

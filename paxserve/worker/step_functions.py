@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
+from paxserve.models.quant_weights import with_matmul_kernel
 from paxserve.models.sharding import TensorParallel
 from paxserve.sampling_params import MAX_LOGPROBS
 from paxserve.worker.sampling.host_inputs import PACKED_WIDTH, bitmask_width
@@ -133,6 +134,7 @@ class StepShapes:
     tp: TensorParallel | None = None
     quantization: Any = None  # the WeightQuantization the linear weights were loaded with, if any
     kv_dtype: Any = None  # the KV cache's dtype when it is not the model's (fp8)
+    matmul_kernel: Any = None  # the MatmulKernel quantized weights run on (None: XLA's matmul)
 
     @property
     def _replicated(self) -> Any:
@@ -140,7 +142,8 @@ class StepShapes:
 
     def params(self) -> Any:
         make = lambda c: self.architecture.abstract_params(c, self.dtype, self.quantization)  # noqa: E731
-        return make(self.cfg) if self.tp is None else self.tp.abstract_params(make)
+        params = make(self.cfg) if self.tp is None else self.tp.abstract_params(make)
+        return params if self.matmul_kernel is None else with_matmul_kernel(params, self.matmul_kernel)
 
     def kv_cache(self) -> KVCache:
         heads = self.cfg.num_kv_heads if self.tp is None else self.tp.num_kv_heads_stored
@@ -183,7 +186,7 @@ class StepShapes:
         config, dtype and split, the number of state rows; the forward's cache shape and attention
         backend."""
         tp = None if self.tp is None else (self.tp.size, self.tp.expert_parallel)
-        common = f"{self.cfg!r}|{self.dtype}|{self.quantization!r}|{self.kv_dtype}|{tp!r}|{kind}"
+        common = f"{self.cfg!r}|{self.dtype}|{self.quantization!r}|{self.matmul_kernel!r}|{self.kv_dtype}|{tp!r}|{kind}"
         if kind in FORWARD_KINDS:
             return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"

@@ -1,9 +1,11 @@
-"""The whole Engine on the Mosaic GPU backend (interpret mode) gives the reference backend's tokens.
+"""The whole Engine on the Mosaic GPU kernels (interpret mode) gives the reference backend's tokens.
 
 A random-weight Llama checkpoint is written with numpy and safetensors (no torch in this lane), in
-bfloat16 with a GQA group of 2 and head_dim 64; prompts of 5, 70 and 17 tokens (the 70-token one
-prefilled in chunks of 64, on top of its own cached chunk) decode together, so the kernel serves
-mixed ragged steps and pure decode steps inside the model's scan over layers.
+bfloat16 with a GQA group of 2 and head_dim 64, and served with int8 weights (`--quantization
+int8`); prompts of 5, 70 and 17 tokens (the 70-token one prefilled in chunks of 64, on top of its own
+cached chunk) decode together, so the attention kernels serve mixed ragged steps and pure decode
+steps, and the weight-only matmul kernel every linear layer, inside the model's scan over layers.
+The reference engine runs the same int8 weights on XLA's matmul and attention.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from paxserve import Engine, SamplingParams
+from paxserve.kernels.matmul_dispatch import MatmulKernel
+from paxserve.models.quant_weights import matmul_kernel
 
 
 def write_random_llama(directory: Path, *, layers: int = 2, hidden: int = 128, heads: int = 2, kv_heads: int = 1,
@@ -63,8 +67,11 @@ def test_engine_on_mosaic_gives_the_reference_tokens(tmp_path: Path) -> None:
     for backend in ("reference", "mosaic"):
         engine = Engine(str(tmp_path), dtype="bfloat16", max_model_len=128, max_num_seqs=4,
                         max_num_batched_tokens=64, block_size=16, kv_cache_memory_bytes=8 * 2**20, warmup=False,
-                        log_stats_interval=0, compilation_cache_dir="", attention_backend=backend)
+                        log_stats_interval=0, compilation_cache_dir="", attention_backend=backend,
+                        quantization="int8", quantization_check="off")
         assert engine.attention_backend.name == backend
+        # Asking for the Mosaic GPU family on a CPU puts the quantized matmuls on its kernel too.
+        assert matmul_kernel(engine.model.params) == (MatmulKernel(interpret=True) if backend == "mosaic" else None)
         outputs[backend] = [out.outputs[0] for out in engine.generate(prompts, params)]
         # The last steps decode all three alone: on Mosaic GPU, as "decode" programs on its
         # decode-only kernel (the mixed steps on the ragged one).
