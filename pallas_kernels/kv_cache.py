@@ -98,8 +98,9 @@ class KVCache:
         cache gets its scales, 1.0)."""
         if not is_fp8(dtype):
             return cls(k=k, v=v)
-        ones = jnp.ones((k.shape[0],), jnp.float32)
-        return cls(k=k, v=v, k_scale=ones, v_scale=ones, fp8=np.dtype(dtype).name)
+        # Two arrays, not one twice: the step donates the cache, and a buffer cannot be donated twice.
+        k_scale, v_scale = (jnp.ones((k.shape[0],), jnp.float32) for _ in range(2))
+        return cls(k=k, v=v, k_scale=k_scale, v_scale=v_scale, fp8=np.dtype(dtype).name)
 
     @staticmethod
     def storage_dtype(dtype: object) -> np.dtype:

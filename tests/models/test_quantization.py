@@ -268,6 +268,19 @@ def test_engine_plans_four_times_the_blocks_for_an_fp8_cache_of_a_float32_model(
         EngineConfig(calculate_kv_scales=True)
 
 
+def test_an_fp8_cache_with_unit_scales_serves(tiny: Path, caplog) -> None:
+    """No checkpoint scales and no --calculate-kv-scales: K and V scales of 1.0, two arrays (one
+    array for both was donated twice by every step, and every step failed)."""
+    from paxserve import Engine, SamplingParams
+
+    with caplog.at_level("WARNING"):
+        engine = Engine(str(tiny), kv_cache_memory_bytes=2**20, kv_cache_dtype="fp8", quantization_check="off",
+                        warmup=False, compilation_cache_dir="", log_stats_interval=0)
+    assert "1.0" in caplog.text
+    out = engine.generate([_prompts()[1]], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
 def test_several_hosts_always_run_the_check_together(tiny: Path) -> None:
     """A stored outcome one host has and another has not would leave them out of step in the
     check's collectives: with nnodes > 1 no record is read or written."""
