@@ -52,7 +52,7 @@ def four_bit(w: jax.Array) -> GroupQuantizedWeight:
 
 def linear_step(smoke: bool, row: Row, timed: Callable[..., float], bw: float | None) -> None:
     # Smoke: the smallest widths the Mosaic GPU kernel serves (inputs a multiple of 128).
-    hidden, inter, layers = (128, 128, 2) if smoke else (4096, 14336, 32)
+    hidden, inter, layers = (128, 128, 1) if smoke else (4096, 14336, 32)
     q_out = hidden + 2 * (hidden // 4)  # 32 query heads, 8 KV heads
     shapes = {"qkv": (hidden, q_out), "o": (hidden, hidden), "up": (hidden, 2 * inter), "down": (inter, hidden)}
     key = jax.random.key(1)

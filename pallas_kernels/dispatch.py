@@ -49,7 +49,6 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _KERNELS = ("mosaic", "triton")
 _FAMILY = {"mosaic": "Mosaic GPU", "triton": "Triton"}
 _LABEL = {name: f"{family} kernel" for name, family in _FAMILY.items()}
-_FP8_CACHE_REASON = "it does not read an fp8 KV cache (its wgmma takes bf16 / f16 pages from shared memory)"
 
 
 @dataclass(frozen=True)
@@ -121,11 +120,9 @@ def attention(
       traced (a per-layer window scanned over layers; `NO_WINDOW` for a global layer).
     alibi_slopes: None or float32 [num_heads] (`alibi_slopes(num_heads)` gives Falcon's), added as
       `slope[h] * (key position - query position)` to q.k before `sm_scale`.
-    fp8: the caches hold uint8 bits of values in this fp8 format (pallas_kernels/kv_cache.py); the
-      Mosaic GPU kernels do not read them.
+    fp8: the caches hold uint8 bits of values in this fp8 format (pallas_kernels/kv_cache.py), which
+      every backend widens as it reads them.
     """
-    if fp8 is not None and backend.name == "mosaic":
-        raise ValueError(f"the Mosaic GPU kernels {_FP8_CACHE_REASON.removeprefix('it ')}")
     if backend.pure_decode:
         return _decode_step(q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, backend=backend,
                             sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes, fp8=fp8)
@@ -133,6 +130,7 @@ def attention(
         return mosaic_ragged_paged_attention(
             q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap, alibi_slopes=alibi_slopes, config=backend.mosaic_config, interpret=backend.interpret,
+            fp8=fp8,
         )
     if backend.name == "triton":
         return ragged_paged_attention(
@@ -158,22 +156,20 @@ def _decode_step(q: Float[Array, "T H D"], k_cache: Float[Array, "L N P K D"], v
     queries = q[:num_seqs] if num_tokens >= num_seqs else jnp.pad(q, ((0, num_seqs - num_tokens), (0, 0), (0, 0)))
     args = (queries, k_cache, v_cache, layer, metadata.block_tables, metadata.context_lens)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                   interpret=backend.interpret)
+                   interpret=backend.interpret, fp8=fp8)
     if backend.name == "mosaic":
         out = mosaic_paged_decode_attention(*args, config=backend.mosaic_config, **options)
     else:
-        out = paged_decode_attention(*args, config=backend.decode_config, fp8=fp8, **options)
+        out = paged_decode_attention(*args, config=backend.decode_config, **options)
     if num_tokens >= num_seqs:
         return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
     return out[:num_tokens]
 
 
 def supports(kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-             dtype: jnp.dtype, fp8_cache: bool = False) -> str | None:
-    """None if `kernel` ("mosaic" or "triton") serves these shapes (and an fp8 KV cache, if
-    `fp8_cache`), else the reason it does not."""
-    if kernel == "mosaic" and fp8_cache:
-        return _FP8_CACHE_REASON
+             dtype: jnp.dtype) -> str | None:
+    """None if `kernel` ("mosaic" or "triton") serves these shapes, else the reason it does not (both
+    also read an fp8 KV cache)."""
     check = supports_mosaic_attention if kernel == "mosaic" else supports_ragged_paged_attention
     return check(num_heads, num_kv_heads, head_dim, block_size, dtype)
 
@@ -224,9 +220,8 @@ def resolve_attention_backend(
       ALiBi); when given they are passed on to `self_check` as keyword arguments of the same names
       so the kernel is also checked on them (left out when not given, so a `self_check` that does
       not know them keeps working).
-    kv_dtype: the KV cache's dtype when it is not `dtype` (fp8): the Mosaic GPU kernels do not read an
-      fp8 cache (their wgmma takes bf16 / f16 pages straight from shared memory), so they are passed
-      over; the self-check is given it as `kv_dtype`.
+    kv_dtype: the KV cache's dtype when it is not `dtype` (fp8); the self-check is given it as
+      `kv_dtype`, so each kernel is checked on the pages it will read.
     """
     if option not in ATTENTION_BACKEND_OPTIONS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_OPTIONS)}, got {option!r}")
@@ -245,7 +240,7 @@ def resolve_attention_backend(
         logger.info("attention: %s (compute capability %s): trying %s", platform, compute_capability or "unknown",
                     ", then ".join(_LABEL[c] for c in candidates))
     else:
-        reason = supports(option, **shapes, fp8_cache=fp8_cache)
+        reason = supports(option, **shapes)
         if reason:
             raise ValueError(f"attention_backend={option!r} cannot serve this model: {reason}")
         if not on_gpu:
@@ -265,7 +260,7 @@ def resolve_attention_backend(
     if fp8_cache:
         shapes["kv_dtype"] = kv_dtype
     for kernel in candidates:
-        reason = supports(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype, fp8_cache)
+        reason = supports(kernel, num_heads, num_kv_heads, head_dim, block_size, dtype)
         if reason:
             logger.warning("attention: the %s does not support this model (%s)", _LABEL[kernel], reason)
             continue

@@ -14,7 +14,8 @@ Both entries cut the batch into *work units* with `jnp` inside the jit and run t
   H100/H200 SXM) when the batch alone does not fill them, never pieces shorter than 4 stages.
 * Every option of the reference is served: causal, sliding window (a run-time scalar, so one compile
   serves every layer of a `lax.scan`), soft-cap, ALiBi, GQA groups up to 64, block sizes 8/16/32/64,
-  head dims 64/128/256 in bfloat16 or float16.
+  head dims 64/128/256 in bfloat16 or float16, and an fp8 cache (`fp8`: its uint8 bits are seen as
+  that format, copied at one byte a value and widened in the kernel).
 
 `interpret=True` (or a `plgpu.InterpretGPUParams`) runs the kernel in Mosaic GPU's interpret mode on
 the CPU (JAX >= 0.11.2), which simulates shared memory, barriers and TMA; lowering for CUDA needs no
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from paxserve.kernels.attention_args import Window, slopes_operand, window_operand
+from paxserve.kernels.kv_cache import fp8_view
 from paxserve.kernels.kernel_checks import check_decode_tables, check_options, next_pow2, validate_q_and_cache
 from paxserve.kernels.metadata import AttentionMetadata
 from paxserve.kernels.mosaic_kernel import (
@@ -95,18 +97,20 @@ def supports_mosaic_attention(num_heads: int, num_kv_heads: int, head_dim: int, 
 
 def _kernel_shape(q: Array, k_cache: Array, tokens_per_unit: int | None, *, sm_scale: float,
                   soft_cap: float | None, window: Array | None, slopes: Array | None,
-                  config: MosaicAttentionConfig) -> KernelShape:
+                  config: MosaicAttentionConfig, fp8: str | None = None) -> KernelShape:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[3]
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
-    nbuf = config.num_buffers or (3 if smem_bytes(head_dim, 3) <= _SMEM_BUDGET else 2)
+    page_itemsize = None if fp8 is None else 1
+    nbuf = config.num_buffers or (3 if smem_bytes(head_dim, 3, q.dtype.itemsize, page_itemsize) <= _SMEM_BUDGET
+                                  else 2)
     return KernelShape(
         num_kv_heads=num_kv_heads, group=group, group_pad=group_pad,
         tokens_per_unit=tokens_per_unit or ROWS // group_pad, head_dim=head_dim, block_size=k_cache.shape[2],
         dtype=jnp.dtype(q.dtype), num_buffers=nbuf, sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap), has_window=window is not None,
-        has_alibi=slopes is not None)
+        has_alibi=slopes is not None, fp8=fp8)
 
 
 def ceil_div(a, b):  # noqa: ANN001, ANN201 - Python ints and int32 arrays alike
@@ -147,6 +151,7 @@ def _run(q_blocks: Array, units: Array, kv_lo: Array, kv_hi: Array, tables: Arra
         per_group = slopes.reshape(shape.num_kv_heads, shape.group)
         per_group = jnp.pad(per_group, ((0, 0), (0, shape.group_pad - shape.group)))
         slope_rows = jnp.tile(per_group, (1, ROWS // shape.group_pad))
+    k_cache, v_cache = fp8_view(k_cache, shape.fp8), fp8_view(v_cache, shape.fp8)  # free bitcasts
     args = (units, tables, scalars, slope_rows, q_blocks, k_cache, v_cache)
     if interpret:
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -183,13 +188,13 @@ def _units(qblock: Array, seq: Array, qpos0: Array) -> Int[Array, "W 8"]:
     return units.at[:, U_QBLOCK].set(qblock).at[:, U_SEQ].set(seq).at[:, U_QPOS0].set(qpos0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret", "fp8"))
 def _ragged(q, k_cache, v_cache, layer, metadata: AttentionMetadata, window, slopes, *, sm_scale, soft_cap,  # noqa: ANN001
-            config, interpret):
+            config, interpret, fp8):
     num_tokens, num_heads, head_dim = q.shape
     window, slopes = window_operand(window), slopes_operand(slopes)
     shape = _kernel_shape(q, k_cache, None, sm_scale=sm_scale, soft_cap=soft_cap, window=window, slopes=slopes,
-                          config=config)
+                          config=config, fp8=fp8)
     bq = shape.tokens_per_unit
     seq, blk, count = metadata.query_blocks(num_tokens, bq)
     qsl, ctx = metadata.query_start_loc.astype(jnp.int32), metadata.context_lens.astype(jnp.int32)
@@ -233,6 +238,7 @@ def mosaic_ragged_paged_attention(
     alibi_slopes: Float[Array, " H"] | None = None,
     config: MosaicAttentionConfig = MosaicAttentionConfig(),
     interpret: object = False,
+    fp8: str | None = None,
 ) -> Float[Array, "T H D"]:
     """The engine's mixed prefill + decode step on Mosaic GPU; the contract of
     `ragged_paged_attention_reference` (causal attention of each new token to its own sequence's
@@ -244,21 +250,23 @@ def mosaic_ragged_paged_attention(
     alibi_slopes: None or [num_heads] floats. sm_scale, soft_cap: static floats.
     interpret: False on a GPU; True or a `plgpu.InterpretGPUParams` for Mosaic GPU's interpret mode
       (JAX >= 0.11.2, CPU).
+    fp8: the caches hold uint8 bits of values in this format ("float8_e4m3fn" / "float8_e5m2"),
+      widened in the kernel; their scales are the caller's (q before, the output after).
     Raises ValueError for shapes `supports_mosaic_attention` rejects.
     """
-    validate_q_and_cache(q, k_cache, v_cache, "mosaic_ragged_paged_attention", supports_mosaic_attention)
+    validate_q_and_cache(q, k_cache, v_cache, "mosaic_ragged_paged_attention", supports_mosaic_attention, fp8=fp8)
     window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "mosaic_ragged_paged_attention")
     return _ragged(q, k_cache, v_cache, layer, metadata, window, alibi_slopes, sm_scale=float(sm_scale),
-                   soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret)
+                   soft_cap=None if soft_cap is None else float(soft_cap), config=config, interpret=interpret, fp8=fp8)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "config", "interpret", "fp8"))
 def _decode(q, k_cache, v_cache, layer, block_tables, context_lens, window, slopes, *, sm_scale, soft_cap,  # noqa: ANN001
-            config, interpret):
+            config, interpret, fp8):
     num_seqs, num_heads, head_dim = q.shape
     window, slopes = window_operand(window), slopes_operand(slopes)
     shape = _kernel_shape(q, k_cache, 1, sm_scale=sm_scale, soft_cap=soft_cap, window=window, slopes=slopes,
-                          config=config)
+                          config=config, fp8=fp8)
     ctx = context_lens.astype(jnp.int32)
     seqs = jnp.arange(num_seqs, dtype=jnp.int32)
     kv_hi = jnp.maximum(ctx, 0)
@@ -284,14 +292,15 @@ def mosaic_paged_decode_attention(
     alibi_slopes: Float[Array, " H"] | None = None,
     config: MosaicAttentionConfig = MosaicAttentionConfig(),
     interpret: object = False,
+    fp8: str | None = None,
 ) -> Float[Array, "S H D"]:
     """One decode token per sequence (at position `context_lens[s] - 1`, its K/V already written)
     against its paged context, split-K over long contexts; the contract of
     `paged_decode_attention_reference`. Sequences with context 0 give zeros. Arguments as
     `mosaic_ragged_paged_attention`."""
-    validate_q_and_cache(q, k_cache, v_cache, "mosaic_paged_decode_attention", supports_mosaic_attention)
+    validate_q_and_cache(q, k_cache, v_cache, "mosaic_paged_decode_attention", supports_mosaic_attention, fp8=fp8)
     check_decode_tables(q, block_tables, context_lens, "mosaic_paged_decode_attention")
     window = check_options(q, sm_scale, sliding_window, soft_cap, alibi_slopes, "mosaic_paged_decode_attention")
     return _decode(q, k_cache, v_cache, layer, block_tables, context_lens, window, alibi_slopes,
                    sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap), config=config,
-                   interpret=interpret)
+                   interpret=interpret, fp8=fp8)

@@ -21,6 +21,12 @@ masked scores are replaced (not added to) by -inf, and in a unit's last stage th
 positions `>= kv_hi` (the unwritten tail of the last page, or a repeated page) are zeroed in shared
 memory before P V, since 0 x NaN would still be NaN inside the matmul.
 
+An fp8 cache (float8_e4m3fn or float8_e5m2 pages) is copied as it is stored, half the bytes of a
+bf16 one, into a ring of fp8 slots; each stage's K and V tiles are then widened to q's dtype in
+registers (exact: both fp8 formats fit bf16 and f16) into one bf16 / f16 tile each, which the
+wgmmas read. V's rows past the unit's range are zeroed in that same pass (a garbage fp8 byte can be
+NaN). The per-layer scales act outside the kernel (`kv_cache.py`).
+
 Block sizes: 32 is the fastest (two 4 KiB page copies per 64-position stage at d=128), 16 is close,
 8 issues eight small copies per stage and spends more of its time in TMA issue than in transfer.
 Block sizes must divide 64.
@@ -71,6 +77,7 @@ class KernelShape:
     soft_cap: float | None
     has_window: bool
     has_alibi: bool
+    fp8: str | None = None  # the pages' fp8 format ("float8_e4m3fn" / "float8_e5m2"), None: `dtype` pages
 
     @property
     def rows_in(self) -> int:
@@ -81,10 +88,23 @@ class KernelShape:
     def pages_per_stage(self) -> int:
         return STAGE // self.block_size
 
+    @property
+    def page_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype if self.fp8 is None else self.fp8)
 
-def _swizzled() -> tuple[plgpu.TilingTransform, plgpu.SwizzleTransform]:
-    # 8-row x 64-column tiles with a 128-byte swizzle: the wgmma operand layout for 2-byte types.
-    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+def _widen(pages, dtype: jnp.dtype):  # noqa: ANN001, ANN202
+    """fp8 values in q's dtype, exactly: Hopper converts fp8 only to f16 (every e4m3 and e5m2 value is
+    an f16 one); bf16 then goes through float32 (f16 -> f32 -> bf16 is exact for them too)."""
+    wide = pages.astype(jnp.float16)
+    return wide if jnp.dtype(dtype) == jnp.dtype(jnp.float16) else wide.astype(jnp.float32).astype(dtype)
+
+
+def _swizzled(itemsize: int = 2, cols: int = 64) -> tuple[plgpu.TilingTransform, plgpu.SwizzleTransform]:
+    # 8-row tiles of up to 128 bytes with that swizzle: the wgmma operand layout for 2-byte types
+    # (8 x 64), and the layout a register load of 1-byte fp8 pages reads.
+    width = min(128, cols * itemsize)
+    return plgpu.TilingTransform((8, width // itemsize)), plgpu.SwizzleTransform(width)
 
 
 def _unit_kernel(units_ref, tables_ref, scalars_ref, slopes_ref, q_ref, k_ref, v_ref,  # noqa: ANN001
@@ -100,7 +120,7 @@ def _unit_kernel(units_ref, tables_ref, scalars_ref, slopes_ref, q_ref, k_ref, v
     num_stages = jnp.where(kv_hi > kv_lo, (last_page - first_page) // pps + 1, 0)
     stage0 = first_page * bs
 
-    def kv_phase(q_smem, k_smem, v_smem, p_smem, slopes_smem, q_bar, k_bar, v_bar):
+    def kv_phase(q_smem, k_smem, v_smem, p_smem, slopes_smem, q_bar, k_bar, v_bar, k16_smem=None, v16_smem=None):
         # Rows past the unit's real ones must be finite zeros (uninitialised shared memory may hold NaN).
         q_smem[...] = plgpu.layout_cast(jnp.zeros((ROWS, d), shape.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
@@ -138,9 +158,15 @@ def _unit_kernel(units_ref, tables_ref, scalars_ref, slopes_ref, q_ref, k_ref, v
                 fetch(ahead, lax.rem(ahead, nbuf))
 
             plgpu.barrier_wait(k_bar.at[slot])
+            if shape.fp8 is None:
+                k_tile = k_smem.at[slot]
+            else:  # widen the fp8 page tile in registers into the one bf16 / f16 tile the wgmma reads
+                k16_smem[...] = _widen(_load(k_smem.at[slot], plgpu.Layout.WGMMA), shape.dtype)
+                plgpu.commit_smem()
+                k_tile = k16_smem
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, STAGE), jnp.float32))
@@ -162,18 +188,27 @@ def _unit_kernel(units_ref, tables_ref, scalars_ref, slopes_ref, q_ref, k_ref, v
 
             plgpu.barrier_wait(v_bar.at[slot])
 
-            @pl.when(stage0 + (i + 1) * STAGE > kv_hi)
-            def _():  # the unit's last stage: zero V rows at positions it must not read
+            def v_rows_in_range():  # noqa: ANN202 - [STAGE, d]: the V rows this unit may read
                 vrow = plgpu.broadcasted_iota(jnp.int32, (STAGE, d), 0, layout=plgpu.Layout.WGMMA)
-                vals = _load(v_smem.at[slot], plgpu.Layout.WGMMA)
-                keep = stage0 + i * STAGE + vrow < kv_hi
-                v_smem.at[slot][...] = jnp.where(keep, vals, jnp.zeros_like(vals))
+                return stage0 + i * STAGE + vrow < kv_hi
+
+            if shape.fp8 is None:
+                v_tile = v_smem.at[slot]
+
+                @pl.when(stage0 + (i + 1) * STAGE > kv_hi)
+                def _():  # the unit's last stage: zero V rows at positions it must not read
+                    vals = _load(v_smem.at[slot], plgpu.Layout.WGMMA)
+                    v_smem.at[slot][...] = jnp.where(v_rows_in_range(), vals, jnp.zeros_like(vals))
+            else:  # widened like K, V rows past the range zeroed on the way
+                vals = _widen(_load(v_smem.at[slot], plgpu.Layout.WGMMA), shape.dtype)
+                v16_smem[...] = jnp.where(v_rows_in_range(), vals, jnp.zeros_like(vals))
+                v_tile = v16_smem
 
             p_smem[...] = p.astype(shape.dtype)
             plgpu.commit_smem()
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
                 return acc_ref[...]
 
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
@@ -186,16 +221,19 @@ def _unit_kernel(units_ref, tables_ref, scalars_ref, slopes_ref, q_ref, k_ref, v
         return lax.fori_loop(0, num_stages, stage_body, (acc, m, l))
 
     swizzle = _swizzled()
+    pages = _swizzled(shape.page_dtype.itemsize, d)
+    staging = () if shape.fp8 is None else (plgpu.SMEM((STAGE, d), shape.dtype, transforms=swizzle),) * 2
     acc, m, l = pl.run_scoped(
         kv_phase,
         plgpu.SMEM((ROWS, d), shape.dtype, transforms=swizzle),
-        plgpu.SMEM((nbuf, STAGE, d), shape.dtype, transforms=swizzle),
-        plgpu.SMEM((nbuf, STAGE, d), shape.dtype, transforms=swizzle),
+        plgpu.SMEM((nbuf, STAGE, d), shape.page_dtype, transforms=pages),
+        plgpu.SMEM((nbuf, STAGE, d), shape.page_dtype, transforms=pages),
         plgpu.SMEM((ROWS, STAGE), shape.dtype, transforms=swizzle),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.Barrier(num_arrivals=2 if shape.has_alibi else 1),
         plgpu.Barrier(num_arrivals=pps, num_barriers=nbuf),
         plgpu.Barrier(num_arrivals=pps, num_barriers=nbuf),
+        *staging,
     )
 
     def store_phase(o_smem, m_smem, l_smem):  # reuses the shared memory the K/V ring held
@@ -223,7 +261,8 @@ def launch_units(
     shape: KernelShape,
 ) -> tuple[Float[Array, "K W R D"], Float[Array, "K W 64"], Float[Array, "K W 64"]]:
     """Run the kernel over every (KV head, unit): the unnormalised float32 output of each unit's
-    `rows_in` rows, and its running max and sum per row (of all 64). `scalars` = (layer, window)."""
+    `rows_in` rows, and its running max and sum per row (of all 64). `scalars` = (layer, window).
+    The caches hold `shape.page_dtype` values (an fp8 cache's uint8 bits already seen as fp8)."""
     num_units = units.shape[0]
     k = shape.num_kv_heads
     out_type = (
@@ -236,6 +275,9 @@ def launch_units(
         units, block_tables, scalars, slopes, q_blocks, k_cache, v_cache)
 
 
-def smem_bytes(head_dim: int, num_buffers: int, itemsize: int = 2) -> int:
-    """Shared memory the K/V phase holds (the larger of the kernel's two phases)."""
-    return (ROWS * head_dim + 2 * num_buffers * STAGE * head_dim + ROWS * STAGE) * itemsize + ROWS * 4
+def smem_bytes(head_dim: int, num_buffers: int, itemsize: int = 2, page_itemsize: int | None = None) -> int:
+    """Shared memory the K/V phase holds (the larger of the kernel's two phases); pages of another
+    width than q's (fp8) add the two widened tiles."""
+    pages = 2 * num_buffers * STAGE * head_dim * (page_itemsize or itemsize)
+    staging = 0 if page_itemsize in (None, itemsize) else 2 * STAGE * head_dim * itemsize
+    return (ROWS * head_dim + ROWS * STAGE) * itemsize + pages + staging + ROWS * 4

@@ -191,8 +191,11 @@ def _check_one(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array, v_ca
     except Exception as error:  # noqa: BLE001 - the check must never raise
         return f"reference failed: {_describe(error)}"
     try:
-        out = jax.jit(functools.partial(attention, sm_scale=sm_scale, backend=backend))(
-            q, k_cache, v_cache, layer, metadata, **kwargs)
+        # The fp8 format is static (a string is no jit argument); the window and slopes are arrays.
+        static = {name: kwargs[name] for name in ("fp8",) if name in kwargs}
+        traced = {name: value for name, value in kwargs.items() if name not in static}
+        out = jax.jit(functools.partial(attention, sm_scale=sm_scale, backend=backend, **static))(
+            q, k_cache, v_cache, layer, metadata, **traced)
         out = jax.block_until_ready(out)
         if out.shape != q.shape or out.dtype != q.dtype:
             return f"mismatch: output is {out.dtype.name}{list(out.shape)}, expected {q.dtype.name}{list(q.shape)}"

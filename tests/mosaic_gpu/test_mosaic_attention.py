@@ -148,3 +148,26 @@ def test_every_variant_lowers_for_sm90(block_size: int, group: int, head_dim: in
                                                                            alibi_slopes=s, **kw)
         dq = jax.ShapeDtypeStruct((num_seqs, num_kv_heads * group, head_dim), dtype)
         assert "mosaic_gpu" in lower_for_cuda(decode, dq, cache, cache, i32(num_seqs, width), i32(num_seqs), slopes)
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,dtype,fp8", [
+    (8, 1, 64, BF16, "float8_e4m3fn"), (16, 3, 128, F16, "float8_e5m2"), (32, 2, 256, BF16, "float8_e4m3fn")],
+    ids=["bs8-g1-d64-e4m3", "bs16-g3-d128-f16-e5m2", "bs32-g2-d256-e4m3"])
+def test_fp8_pages_lower_for_sm90(block_size: int, group: int, head_dim: int, dtype: np.dtype, fp8: str) -> None:
+    """An fp8 cache (uint8 bits) through both entries, with a window and ALiBi: its ring of one-byte
+    pages, the widened tiles and the larger shared-memory footprint all lower for an H200."""
+    num_kv_heads, num_tokens, num_seqs, width = 2, 40, 6, 12
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    cache = jax.ShapeDtypeStruct((2, 50, block_size, num_kv_heads, head_dim), jnp.uint8)
+    slopes = jax.ShapeDtypeStruct((num_kv_heads * group,), jnp.float32)
+    md = ref_tests.AttentionMetadata(slot_mapping=i32(num_tokens), block_tables=i32(num_seqs, width),
+                                     context_lens=i32(num_seqs), query_start_loc=i32(num_seqs + 1),
+                                     logits_indices=i32(num_seqs))
+    q = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), dtype)
+    ragged = lambda q, k, v, md, s: mosaic_ragged_paged_attention(  # noqa: E731
+        q, k, v, 1, md, sm_scale=0.1, alibi_slopes=s, sliding_window=64, fp8=fp8)
+    assert "mosaic_gpu" in lower_for_cuda(ragged, q, cache, cache, md, slopes)
+    dq = jax.ShapeDtypeStruct((num_seqs, num_kv_heads * group, head_dim), dtype)
+    decode = lambda q, k, v, bt, cl, s: mosaic_paged_decode_attention(  # noqa: E731
+        q, k, v, 1, bt, cl, sm_scale=0.1, alibi_slopes=s, sliding_window=64, fp8=fp8)
+    assert "mosaic_gpu" in lower_for_cuda(decode, dq, cache, cache, i32(num_seqs, width), i32(num_seqs), slopes)

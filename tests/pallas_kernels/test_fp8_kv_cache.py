@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from paxserve.kernels import (
+    AttentionBackend,
+    self_check_attention,
     paged_decode_attention,
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -94,17 +96,24 @@ def test_triton_kernels_with_fp8_pages_lower_for_cuda() -> None:
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(ragged, q, cache, cache, i32(), md)
 
 
-def test_dispatch_passes_over_mosaic_for_an_fp8_cache() -> None:
+def test_dispatch_checks_each_kernel_on_fp8_pages_and_hands_over_to_mosaic() -> None:
     shapes = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="cannot serve this model: it does not read an fp8 KV cache"):
-        resolve_attention_backend("mosaic", "cpu", **shapes, kv_dtype=E4M3)
     checked = []
 
     def self_check(backend, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        checked.append((backend.name, kwargs.get("kv_dtype")))
+        checked.append((backend.name, backend.pure_decode, kwargs.get("kv_dtype")))
         return "forced failure" if backend.name == "triton" and not backend.pure_decode else None
 
-    # Triton fails here on purpose: on Hopper the next candidate would be Mosaic GPU, skipped for fp8.
+    # Triton fails here on purpose: on Hopper the next candidate, Mosaic GPU, reads fp8 pages too.
     backend = resolve_attention_backend("auto", "gpu", **shapes, kv_dtype=E4M3, self_check=self_check,
                                         compute_capability="9.0")
-    assert backend.name == "reference" and checked == [("triton", E4M3)]
+    assert backend.name == "mosaic" and backend.decode_kernel
+    assert checked == [("triton", False, E4M3), ("mosaic", False, E4M3), ("mosaic", True, E4M3)]
+
+
+def test_the_triton_kernels_pass_their_self_check_on_fp8_pages() -> None:
+    """The start-up check of an fp8 cache on a GPU: it once passed the format to the jitted kernel as
+    an argument (a string), failed on every machine, and put fp8 caches on the XLA reference."""
+    shapes = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=jnp.bfloat16, kv_dtype=E4M3)
+    for pure_decode in (False, True):
+        assert self_check_attention(AttentionBackend("triton", interpret=True, pure_decode=pure_decode), **shapes) is None
