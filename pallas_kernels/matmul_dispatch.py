@@ -43,10 +43,13 @@ class MatmulKernel:
 
     name: str = "mosaic"
     interpret: bool = False  # Mosaic GPU's interpret mode on a CPU (tests; slow)
+    num_splits: int | None = None  # split-K pieces; None: from the grid (see mosaic_weight_only_matmul)
 
     def __post_init__(self) -> None:
         if self.name != "mosaic":
             raise ValueError(f"MatmulKernel.name must be 'mosaic', got {self.name!r}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"MatmulKernel.num_splits must be >= 1, got {self.num_splits}")
 
 
 def kernel_serves(x: Array, codes: Array, scale_rows: int | None, bits: int) -> bool:
@@ -62,7 +65,8 @@ def kernel_serves(x: Array, codes: Array, scale_rows: int | None, bits: int) -> 
 def run_kernel(kernel: MatmulKernel, x: Float[Array, "M K"], codes: Array, scale: Array | None,
                offset: Array | None, bits: int, bias: int) -> Float[Array, "M N"]:
     """x @ dequantize(w) in float32 on `kernel` (see `mosaic_weight_only_matmul`)."""
-    return mosaic_weight_only_matmul(x, codes, scale, offset, bits=bits, bias=bias, interpret=kernel.interpret)
+    return mosaic_weight_only_matmul(x, codes, scale, offset, bits=bits, bias=bias, num_splits=kernel.num_splits,
+                                     interpret=kernel.interpret)
 
 
 def _problems(rng: np.random.Generator) -> list[tuple[str, dict]]:

@@ -4,9 +4,12 @@ Decode is bound by reading the weights once per step; a weight kept as int8, fp8
 2-4x fewer bytes to read, but XLA dequantizes a whole weight into memory before its dot, which reads
 more bytes than the full-width weight. This kernel widens each tile in registers instead:
 
-* grid (output tile of `tile_n` columns, row tile of 64 rows of x); each program walks the inputs in
-  stages of `STAGE_K` (128) with a ring of `num_buffers` shared-memory slots, so the next stages' TMA
-  copies (x's tile, the codes, their scales and offsets) are in flight while one is computed;
+* grid (output tile of `tile_n` columns, row tile of 64 rows of x, split-K piece); each program
+  walks its piece of the inputs in stages of `STAGE_K` (128) with a ring of `num_buffers`
+  shared-memory slots, so the next stages' TMA copies (x's tile, the codes, their scales and
+  offsets) are in flight while one is computed. A decode batch has few output tiles (32 for a
+  4096-wide layer), so the inputs are split until the grid covers the GPU twice; the pieces'
+  float32 partial products are summed after the kernel;
 * per stage the codes are loaded from shared memory into registers, widened to float32, turned into
   weights `scale * (code - bias) + offset` (each input row's own group), rounded once to x's dtype
   (so every weight equals `GroupQuantizedWeight.dequantize(x.dtype)` bit for bit), stored into a
@@ -61,7 +64,12 @@ class MosaicMatmulShape:
     has_scale: bool
     has_offset: bool
     dtype: jnp.dtype  # x's, and the widened weights'
+    num_splits: int = 1  # split-K: programs that share one output tile, each over a range of stages
     num_buffers: int = 3
+
+    @property
+    def stages_per_split(self) -> int:
+        return -(-(self.k // STAGE_K) // self.num_splits)
 
     @property
     def code_rows(self) -> int:
@@ -101,9 +109,10 @@ def _swizzle(itemsize: int, cols: int = STAGE_K) -> tuple[plgpu.TilingTransform,
 
 
 def _kernel(x_ref, codes_ref, scale_ref, offset_ref, o_ref, *, shape: MosaicMatmulShape) -> None:  # noqa: ANN001
-    n_tile, m_tile = lax.axis_index("n"), lax.axis_index("m")
+    n_tile, m_tile, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     tn, nbuf, crows, srows = shape.tile_n, shape.num_buffers, shape.code_rows, shape.scale_rows
-    num_stages = shape.k // STAGE_K
+    first = split * shape.stages_per_split  # this program's stages: [first, first + num_stages)
+    num_stages = jnp.minimum(shape.stages_per_split, shape.k // STAGE_K - first)
     cols = pl.ds(n_tile * tn, tn)
     wide = jnp.float32
 
@@ -113,6 +122,7 @@ def _kernel(x_ref, codes_ref, scale_ref, offset_ref, o_ref, *, shape: MosaicMatm
 
     def stages(x_smem, c_smem, s_smem, o_smem, w_smem, bars, acc_ref):  # noqa: ANN001, ANN202
         def fetch(stage, slot):
+            stage = first + stage
             plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m_tile * ROWS, ROWS), pl.ds(stage * STAGE_K, STAGE_K)],
                                     x_smem.at[slot], bars.at[slot])
             plgpu.copy_gmem_to_smem(codes_ref.at[pl.ds(stage * crows, crows), cols], c_smem.at[slot],
@@ -196,7 +206,7 @@ def _kernel(x_ref, codes_ref, scale_ref, offset_ref, o_ref, *, shape: MosaicMatm
     def store(out_smem):  # noqa: ANN001, ANN202
         out_smem[...] = acc
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[pl.ds(m_tile * ROWS, ROWS), cols])
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[split, pl.ds(m_tile * ROWS, ROWS), cols])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store, plgpu.SMEM((ROWS, tn), jnp.float32))
@@ -205,8 +215,8 @@ def _kernel(x_ref, codes_ref, scale_ref, offset_ref, o_ref, *, shape: MosaicMatm
 def _launch(x, codes, scale, offset, shape: MosaicMatmulShape, interpret: object) -> Float[Array, "M N"]:  # noqa: ANN001
     m = x.shape[0]
     body = lambda *refs: _kernel(*refs, shape=shape)  # noqa: E731
-    call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, shape.n), jnp.float32),
-                        grid=(shape.n // shape.tile_n, m // ROWS), grid_names=("n", "m"))
+    call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((shape.num_splits, m, shape.n), jnp.float32),
+                        grid=(shape.n // shape.tile_n, m // ROWS, shape.num_splits), grid_names=("n", "m", "split"))
     if not interpret:
         return call(x, codes, scale, offset)
     if not hasattr(plgpu, "InterpretGPUParams"):
@@ -222,20 +232,31 @@ def _stage_order(x: Array) -> Array:
     return x.reshape(m, k // STAGE_K, STAGE_K // 2, 2).transpose(0, 1, 3, 2).reshape(m, k)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "bias", "tile_n", "interpret"))
-def _matmul(x, codes, scale, offset, *, bits, bias, tile_n, interpret):  # noqa: ANN001, ANN202
+def _num_splits(num_splits: int | None, programs: int, num_stages: int, num_sms: int) -> int:
+    """Split-K pieces: as asked, else enough programs for two waves over the GPU's SMs when the
+    output tiles alone do not fill them (decode: a 4096-wide layer has 32 tiles of 128 for 132 SMs
+    on an H100/H200), never pieces of fewer than 2 stages; every piece non-empty."""
+    splits = num_splits or max(1, min(-(-2 * num_sms // programs), num_stages // 2))
+    splits = min(splits, num_stages)
+    return -(-num_stages // -(-num_stages // splits))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "bias", "tile_n", "num_splits", "num_sms", "interpret"))
+def _matmul(x, codes, scale, offset, *, bits, bias, tile_n, num_splits, num_sms, interpret):  # noqa: ANN001, ANN202
     m, k = x.shape
     n = codes.shape[1]
     group = k if scale is None else k // scale.shape[0]
-    shape = MosaicMatmulShape(k=k, n=n, tile_n=tile_n, bits=bits, group=group, bias=bias,
-                              has_scale=scale is not None, has_offset=offset is not None, dtype=jnp.dtype(x.dtype))
     rows = -(-m // ROWS) * ROWS
+    splits = _num_splits(num_splits, (n // tile_n) * (rows // ROWS), k // STAGE_K, num_sms)
+    shape = MosaicMatmulShape(k=k, n=n, tile_n=tile_n, bits=bits, group=group, bias=bias,
+                              has_scale=scale is not None, has_offset=offset is not None, dtype=jnp.dtype(x.dtype),
+                              num_splits=splits)
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     if bits == 4:
         xp = _stage_order(xp)
     dummy = jnp.zeros((1, n), jnp.float32)
     y = _launch(xp, codes, dummy if scale is None else scale, dummy if offset is None else offset, shape, interpret)
-    return y[:m]
+    return y[0, :m] if splits == 1 else y[:, :m].sum(axis=0)
 
 
 def mosaic_weight_only_matmul(
@@ -247,6 +268,8 @@ def mosaic_weight_only_matmul(
     bits: int = 8,
     bias: int = 0,
     tile_n: int | None = None,
+    num_splits: int | None = None,
+    num_sms: int = 132,
     interpret: object = False,
 ) -> Float[Array, "M N"]:
     """x @ w in float32, w = `scale` * (`codes` - `bias`) + `offset` by groups of `K // G` inputs,
@@ -258,6 +281,8 @@ def mosaic_weight_only_matmul(
       [K // 2, N] with two 4-bit codes a byte along K (`bits` 4: byte i holds inputs 2i, low
       nibble, and 2i + 1). scale, offset: float16 or float32 [G, N].
     tile_n: outputs per program (64 or 128; default 128 when N allows).
+    num_splits: split-K pieces (their float32 partial products summed after the kernel); default
+      enough programs for two waves over `num_sms` streaming multiprocessors (132 on an H100/H200).
     interpret: False on a GPU; True or a `plgpu.InterpretGPUParams` for Mosaic GPU's interpret mode
       (JAX >= 0.11.2, CPU).
     Raises ValueError for shapes `supports_mosaic_matmul` rejects.
@@ -276,7 +301,10 @@ def mosaic_weight_only_matmul(
     tile_n = tile_n or (128 if n % 128 == 0 else 64)
     if tile_n not in (64, 128) or n % tile_n:
         raise ValueError(f"mosaic_weight_only_matmul: tile_n must be 64 or 128 and divide {n}, got {tile_n}")
-    return _matmul(x, codes, scale, offset, bits=bits, bias=bias, tile_n=tile_n, interpret=interpret)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"mosaic_weight_only_matmul: num_splits must be >= 1, got {num_splits}")
+    return _matmul(x, codes, scale, offset, bits=bits, bias=bias, tile_n=tile_n, num_splits=num_splits,
+                   num_sms=num_sms, interpret=interpret)
 
 
 def weight_only_matmul_reference(x: Float[Array, "M K"], codes: Array, scale: Array | None = None,

@@ -128,7 +128,7 @@ VARIANTS = [dict(), dict(sliding_window=32), dict(soft_cap=30.0), dict(alibi=Tru
 @pytest.mark.parametrize("block_size,group,head_dim,dtype", SHAPES,
                          ids=[f"bs{b}-g{g}-d{d}-{np.dtype(t).name}" for b, g, d, t in SHAPES])
 def test_every_variant_lowers_for_sm90(block_size: int, group: int, head_dim: int, dtype: np.dtype) -> None:
-    """Both entries, every score option, lowered for CUDA as for an H200: the whole Mosaic GPU
+    """Both entries and the score options, lowered for CUDA as for an H200: the whole Mosaic GPU
     lowering (layouts, wgmma shapes, TMA transforms, shared-memory budget) runs without a GPU."""
     num_kv_heads, num_tokens, num_seqs, width = 2, 40, 6, 12
     q = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), dtype)
@@ -137,7 +137,9 @@ def test_every_variant_lowers_for_sm90(block_size: int, group: int, head_dim: in
     md = ref_tests.AttentionMetadata(slot_mapping=i32(num_tokens), block_tables=i32(num_seqs, width),
                                      context_lens=i32(num_seqs), query_start_loc=i32(num_seqs + 1),
                                      logits_indices=i32(num_seqs))
-    for options in VARIANTS:
+    # Every option set on the first shape; on the others the plain one and all options together
+    # (each variant's lowering is the same code at every shape; the shapes change tiles and budgets).
+    for options in VARIANTS if (block_size, group, head_dim, dtype) == SHAPES[0] else (VARIANTS[0], VARIANTS[-1]):
         kw = {k: v for k, v in options.items() if k != "alibi"}
         slopes = jax.ShapeDtypeStruct((num_kv_heads * group,), jnp.float32) if options.get("alibi") else None
         ragged = lambda q, k, v, md, s: mosaic_ragged_paged_attention(q, k, v, 1, md, sm_scale=0.1,  # noqa: E731

@@ -73,7 +73,7 @@ def test_engine_on_mosaic_gives_the_reference_tokens(tmp_path: Path, quantizatio
     write_random_llama(tmp_path)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 70, 17)]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     outputs = {}
     for backend in ("reference", "mosaic"):
         engine = Engine(str(tmp_path), dtype="bfloat16", max_model_len=128, max_num_seqs=4,
@@ -93,7 +93,7 @@ def test_engine_on_mosaic_gives_the_reference_tokens(tmp_path: Path, quantizatio
     logprob_tol, near_tie = (FP8_LOGPROB_TOL, FP8_NEAR_TIE) if kv_cache_dtype == "fp8" else (LOGPROB_TOL, NEAR_TIE)
     compared = 0
     for ref, ours in zip(outputs["reference"], outputs["mosaic"]):
-        assert len(ours.token_ids) == len(ref.token_ids) == 6
+        assert len(ours.token_ids) == len(ref.token_ids) == 4
         for step, (token, our_token) in enumerate(zip(ref.token_ids, ours.token_ids)):
             top = sorted((lp.logprob for lp in ref.logprobs[step].values()), reverse=True)
             if our_token != token:  # only a near tie may flip; after it the contexts differ
@@ -103,4 +103,4 @@ def test_engine_on_mosaic_gives_the_reference_tokens(tmp_path: Path, quantizatio
             diff = abs(ours.logprobs[step][token].logprob - ref.logprobs[step][token].logprob)
             assert diff < logprob_tol, f"step {step}: logprob of token {token} differs by {diff:.3f}"
             compared += 1
-    assert compared >= 12, f"only {compared} of 18 tokens could be compared"
+    assert compared >= 9, f"only {compared} of 12 tokens could be compared"

@@ -15,15 +15,16 @@ from paxserve.models.layers import dense
 from paxserve.models.quant_weights import GroupQuantizedWeight, WeightQuantization, with_matmul_kernel
 from tests.helpers import lower_for_cuda
 
-# (label, rows of x, inputs, outputs, bits, group or None (per channel), code dtype, offset, bias, x dtype, tile_n)
+# (label, rows of x, inputs, outputs, bits, group or None (per channel), code dtype, offset, bias, x dtype,
+#  tile_n, num_splits). Split-K: 512 inputs (4 stages) in 2 pieces by default, 384 in 3 pieces as asked.
 CASES = [
-    ("int8-per-channel-2-row-tiles", 70, 256, 128, 8, None, np.int8, False, 0, jnp.bfloat16, None),
-    ("fp8-per-channel", 3, 128, 192, 8, None, jnp.float8_e4m3fn, False, 0, jnp.bfloat16, 64),
-    ("int8-groups-of-16-f16", 9, 384, 64, 8, 16, np.int8, False, 0, jnp.float16, None),
-    ("uint8-groups-of-32-offsets", 1, 256, 128, 8, 32, np.uint8, True, 0, jnp.bfloat16, None),
-    ("4bit-groups-of-32-offsets", 5, 512, 128, 4, 32, np.uint8, True, 0, jnp.bfloat16, None),
-    ("4bit-groups-of-128-bias-8", 64, 256, 256, 4, 128, np.uint8, False, 8, jnp.bfloat16, 64),
-    ("4bit-groups-of-256-one-stage-each", 2, 512, 64, 4, 256, np.uint8, False, 8, jnp.float16, None),
+    ("int8-per-channel-2-row-tiles", 70, 256, 128, 8, None, np.int8, False, 0, jnp.bfloat16, None, None),
+    ("fp8-per-channel", 3, 128, 192, 8, None, jnp.float8_e4m3fn, False, 0, jnp.bfloat16, 64, None),
+    ("int8-groups-of-16-f16-3-splits", 9, 384, 64, 8, 16, np.int8, False, 0, jnp.float16, None, 3),
+    ("uint8-groups-of-32-offsets", 1, 256, 128, 8, 32, np.uint8, True, 0, jnp.bfloat16, None, None),
+    ("4bit-groups-of-32-offsets-2-splits", 5, 512, 128, 4, 32, np.uint8, True, 0, jnp.bfloat16, None, None),
+    ("4bit-groups-of-128-bias-8", 64, 256, 256, 4, 128, np.uint8, False, 8, jnp.bfloat16, 64, None),
+    ("4bit-groups-of-256-one-stage-each", 2, 512, 64, 4, 256, np.uint8, False, 8, jnp.float16, None, 1),
 ]
 
 
@@ -42,29 +43,40 @@ def _problem(rows: int, k: int, n: int, bits: int, group: int | None, code_dtype
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kernel_equals_xla_dequantize_then_dot_and_lowers_for_sm90(case) -> None:  # noqa: ANN001
-    _, rows, k, n, bits, group, code_dtype, offset, bias, x_dtype, tile_n = case
+    _, rows, k, n, bits, group, code_dtype, offset, bias, x_dtype, tile_n, splits = case
     x, codes, scale, shift = _problem(rows, k, n, bits, group, code_dtype, offset, x_dtype)
-    got = mosaic_weight_only_matmul(x, codes, scale, shift, bits=bits, bias=bias, tile_n=tile_n, interpret=True)
+    got = mosaic_weight_only_matmul(x, codes, scale, shift, bits=bits, bias=bias, tile_n=tile_n, num_splits=splits,
+                                    interpret=True)
     want = weight_only_matmul_reference(x, codes, scale, shift, bits=bits, bias=bias)
     assert got.shape == (rows, n) and got.dtype == jnp.float32
     # The same bf16 / f16 weights summed in float32 in another order: a few float32 ulps apart.
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
-    text = lower_for_cuda(lambda *a: mosaic_weight_only_matmul(*a, bits=bits, bias=bias, tile_n=tile_n),
-                          x, codes, scale, shift)
+    text = lower_for_cuda(lambda *a: mosaic_weight_only_matmul(*a, bits=bits, bias=bias, tile_n=tile_n,
+                                                               num_splits=splits), x, codes, scale, shift)
     assert "mosaic_gpu" in text
 
 
 def test_llama_3_8b_shapes_lower_for_sm90() -> None:
-    """Every linear layer of Llama-3-8B, int8 and 4-bit, for a decode batch and a prefill chunk."""
+    """Every linear layer of Llama-3-8B, int8 and 4-bit, for a decode batch (split-K on)."""
     sds = jax.ShapeDtypeStruct
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        for tokens in (16, 512):
+        for tokens in (16,):  # a prefill chunk differs only in its grid
             x = sds((tokens, k), jnp.bfloat16)
             int8 = lambda x, c: mosaic_weight_only_matmul(x, c)  # noqa: E731
             assert "mosaic_gpu" in lower_for_cuda(int8, x, sds((k, n), jnp.int8))
             four = lambda x, c, s, o: mosaic_weight_only_matmul(x, c, s, o, bits=4)  # noqa: E731
             assert "mosaic_gpu" in lower_for_cuda(four, x, sds((k // 2, n), jnp.uint8), sds((k // 32, n), jnp.float32),
                                                   sds((k // 32, n), jnp.float32))
+
+
+def test_split_k_fills_the_gpu_for_decode_and_never_makes_an_empty_piece() -> None:
+    from paxserve.kernels.mosaic_matmul import _num_splits
+
+    # Llama-3-8B's o projection at decode: 32 output tiles, 32 stages -> 8 pieces of 4 (256 programs).
+    assert _num_splits(None, 32, 32, 132) == 8
+    assert _num_splits(None, 300, 32, 132) == 1  # a prefill chunk fills the GPU by itself
+    assert _num_splits(None, 1, 5, 132) == 2  # at least 2 stages a piece
+    assert _num_splits(4, 1, 5, 132) == 3  # 4 asked of 5 stages: pieces of 2, 2, 1
 
 
 def test_unserved_shapes_are_named() -> None:
