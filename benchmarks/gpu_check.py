@@ -201,32 +201,47 @@ class Check:
             self.row("t", "GPU check", "stopped", "no GPU backend: nothing else would measure a GPU", status="error")
             return
         no_prealloc = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # parts that share the GPU take what they use
+        # A smoke run's timings mean nothing: every part that needs no partner goes into one queue
+        # (longest first) instead of part after part, so no worker idles at a part's end.
+        pool: list[Job] = []
+
+        def launch(jobs: list[Job], concurrency: int) -> None:
+            if self.smoke:
+                pool.extend(jobs)
+            else:
+                self.run(jobs, concurrency)
+
         if "p" in only and self.fits("p"):
-            self.run([Job("ceilings", "p", ["benchmarks/gpu_check_kernels.py", "ceilings"], no_prealloc)], 1)
+            launch([Job("ceilings", "p", ["benchmarks/gpu_check_kernels.py", "ceilings"], no_prealloc)], 1)
         if "a" in only and self.fits("a"):
             cases = SMOKE_KERNEL_CASES if self.smoke else KERNEL_CASES
-            self.run([Job(c.name, "a", ["benchmarks/gpu_check_kernels.py", "case", c.name], no_prealloc)
-                      for c in cases], self.jobs)
+            launch([Job(c.name, "a", ["benchmarks/gpu_check_kernels.py", "case", c.name], no_prealloc)
+                    for c in cases], self.jobs)
         if "c" in only and self.fits("c"):
             lock = Path(tempfile.mkdtemp(prefix="gpu_check-c-")) / "timing.lock"  # not in $OUT: nothing to return
             # Three engines of 16 GiB weights + 16 GiB KV cache each fit side by side in 141 GB.
             share = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.28"}
             backends = SMOKE_E2E_BACKENDS if self.smoke else E2E_BACKENDS
             together = len(backends) if not self.smoke else min(self.jobs, len(backends))
+            # Run as one batch even in a smoke run: the backends wait for each other to time.
             self.run([Job(f"e2e {b}", "c", ["benchmarks/gpu_check_e2e.py", b, "--lock", str(lock), "--peers",
                                             str(together)], share) for b in backends], together)
             shutil.rmtree(lock.parent, ignore_errors=True)
             self.compare_backends()
         if "b" in only and self.fits("b"):
-            # One family at a time on a GPU, so no timing shares it; a smoke run's timings mean nothing.
-            self.run([Job(f"timing {f}", "b", ["benchmarks/gpu_check_kernels.py", "timing", f], no_prealloc)
-                      for f in TIMING_FAMILIES], self.jobs if self.smoke else 1)
-            self.judge_kernels()
+            # One family at a time on a GPU, so no timing shares it.
+            launch([Job(f"timing {f}", "b", ["benchmarks/gpu_check_kernels.py", "timing", f], no_prealloc)
+                    for f in TIMING_FAMILIES], 1)
+            if not self.smoke:
+                self.judge_kernels()
         last = [Job(name, part, [script], no_prealloc) for part, name, script in (
             ("q", "quantization", "benchmarks/gpu_check_quant.py"), ("d", "moe", "benchmarks/gpu_check_moe.py"))
             if part in only]
-        if self.smoke:  # side by side: a smoke run's timings mean nothing
-            self.run(last, self.jobs)
+        if self.smoke:
+            pool.extend(last)
+            self.run(sorted(pool, key=lambda job: -EXPECTED_S[job.part]), self.jobs)
+            if "b" in only:
+                self.judge_kernels()
             return
         for job in last:  # one at a time on a GPU: each times things
             if self.fits(job.part):
