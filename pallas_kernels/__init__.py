@@ -1,4 +1,5 @@
-"""Attention kernels over the paged KV cache, each with a pure-`jnp` reference beside it."""
+"""Attention kernels over the paged KV cache, each with a pure-`jnp` reference beside it, and the
+weight-only quantized matmul on Mosaic GPU with XLA's dequantize-then-dot beside it."""
 
 from paxserve.kernels.alibi import alibi_slopes
 from paxserve.kernels.kv_cache import KVCache
@@ -19,6 +20,8 @@ from paxserve.kernels.dispatch import (  # noqa: I001 (after the kernels it disp
     resolve_attention_backend,
 )
 from paxserve.kernels.self_check import self_check_attention
+from paxserve.kernels.mosaic_matmul import mosaic_weight_only_matmul, weight_only_matmul_reference
+from paxserve.kernels.matmul_dispatch import MatmulKernel, resolve_matmul_kernel, self_check_matmul
 
 __all__ = [
     "ATTENTION_BACKEND_OPTIONS",
@@ -28,6 +31,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVCache",
+    "MatmulKernel",
     "MosaicAttentionConfig",
     "PagedDecodeAttentionConfig",
     "RaggedPagedAttentionConfig",
@@ -35,10 +39,14 @@ __all__ = [
     "attention",
     "mosaic_paged_decode_attention",
     "mosaic_ragged_paged_attention",
+    "mosaic_weight_only_matmul",
     "paged_decode_attention",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "resolve_attention_backend",
+    "resolve_matmul_kernel",
     "self_check_attention",
+    "self_check_matmul",
+    "weight_only_matmul_reference",
     "write_kv_reference",
 ]
