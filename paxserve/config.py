@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from paxserve.spec_decode.config import SpeculativeConfig
 
 
 BLOCK_SIZES = (8, 16, 32)
@@ -135,6 +137,9 @@ class EngineConfig:
     # step behind, never emitting a token past a stop. None = on where the device is an accelerator,
     # off on CPU, whose "device" is the host's own cores (overlap only makes them contend).
     async_scheduling: bool | None = None
+    # vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min",
+    # "prompt_lookup_max"} (a dict, its JSON text, or a SpeculativeConfig; parsed into the latter).
+    speculative_config: Any = None
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
     attention_backend: str = "auto"  # "auto" | "mosaic" | "triton" ("pallas") | "reference"; resolved at start
     # Request defaults: "auto" = the checkpoint's generation_config.json (temperature, top_p, top_k,
@@ -164,7 +169,7 @@ class EngineConfig:
         compared once it is read)."""
         names = ("max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
                  "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
-                 "calculate_kv_scales", "tensor_parallel_size",
+                 "calculate_kv_scales", "speculative_config", "tensor_parallel_size",
                  "enable_expert_parallel", "attention_backend", "nnodes")
         return {name: getattr(self, name) for name in names}
 
@@ -211,6 +216,14 @@ class EngineConfig:
                        "places experts over the tensor-parallel devices, so it needs tensor_parallel_size > 1")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise _bad("seed", self.seed, "must be an integer >= 0")
+        try:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.{e}") from None
+        if self.speculative_config is not None and self.async_scheduling:
+            raise _bad("async_scheduling", self.async_scheduling,
+                       "cannot be on with speculative_config: how many proposals a step accepts decides the next "
+                       "step's inputs, so each step runs to the end before the next is built")
         if self.log_stats_interval < 0:
             raise _bad("log_stats_interval", self.log_stats_interval, "must be >= 0 seconds")
         if self.attention_backend not in ATTENTION_BACKENDS:

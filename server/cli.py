@@ -137,6 +137,23 @@ def _add_quantization_flags(group: argparse._ActionsContainer) -> None:
                        help="compute the fp8 KV cache's per-layer scales at start from fixed prompts (default: 1.0)")
 
 
+def _speculative_config(text: str) -> object:
+    from paxserve.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_speculative_flag(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                       help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
+                            '"prompt_lookup_min": 1, "prompt_lookup_max": 5} proposes up to K tokens found after an '
+                            "earlier occurrence of the last n tokens (prompt or output) and verifies them in one step; "
+                            "outputs stay those of plain decoding (greedy and seeded sampling alike)")
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser(
         "serve",
@@ -214,6 +231,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="weights and activations: auto (the checkpoint's; float32 for GGUF), half/float16, "
                           "bfloat16, float/float32")
     _add_quantization_flags(eng)
+    _add_speculative_flag(eng)
     eng.add_argument("--max-model-len", type=_model_len, default=None,
                      help="longest prompt + output in tokens (e.g. 4096, 4k, 4K); 'auto' or -1 = the largest "
                           "that fits in the KV cache; default: the model's context length")
@@ -352,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="weight and activation dtype (default: auto = the checkpoint's; float32 for GGUF)")
     _add_quantization_flags(gen)
+    _add_speculative_flag(gen)
     gen.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                      help="tokens per KV-cache block (default 16)")
     gen.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
@@ -376,7 +395,7 @@ def _generate(args: argparse.Namespace) -> int:
                     tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1, warmup=False,
                     quantization=args.quantization, quantization_check=args.quantization_check,
                     kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
-                    log_stats_interval=0)
+                    speculative_config=args.speculative_config, log_stats_interval=0)
     if engine.tokenizer is None:
         raise ValueError(f"{engine.model.source} has no tokenizer, so text prompts cannot be encoded")
     prompt: str | list[int] = args.prompt

@@ -45,6 +45,10 @@ _ENGINE_METRICS = {
                          "Engine steps that raised; only the requests in them failed."),
     "num_kv_cache_resets": ("kv_cache_resets", "counter",
                             "Times a failed step lost the KV cache and it was made anew."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "counter",
+                                        "Number of accepted tokens."),
 }
 
 
@@ -74,6 +78,13 @@ class _EngineCollector(Collector):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(self.snapshot[key]))
+            yield family
+        per_position = self.snapshot.get("spec_decode_accepted_per_position")
+        if per_position:
+            family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for position, count in enumerate(per_position):
+                family.add_metric([self.model_name, str(position)], float(count))
             yield family
         if self.info:
             info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV-cache config.",

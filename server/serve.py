@@ -48,7 +48,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         dtype=args.dtype, quantization=args.quantization, quantization_check=args.quantization_check,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
-        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        speculative_config=args.speculative_config, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_gpu_blocks_override=args.num_gpu_blocks_override,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,

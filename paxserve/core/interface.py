@@ -59,12 +59,14 @@ class SampledLogprobs:
 
 @dataclass(slots=True)
 class SampleOutput:
-    """What one step did for one sample: at most one new token, and why it finished if it did."""
+    """What one step did for one sample: its new tokens (one, or several when it verified proposed
+    tokens), and why it finished if it did."""
 
     request_id: str  # the user's request id
     sample_index: int
     new_token_ids: list[int]
-    logprobs: SampledLogprobs | None = None
+    # The new token's logprobs, or a list of them, one per new token.
+    logprobs: SampledLogprobs | list[SampledLogprobs] | None = None
     finish_reason: str | None = None  # "stop" (EOS or a stop token id), "length", "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -91,6 +93,12 @@ class EngineSnapshot:
     generation_tokens: int = 0
     num_failed_steps: int = 0
     num_kv_cache_resets: int = 0
+    # Speculative decoding (vLLM's counters): drafts verified, tokens they proposed, tokens accepted,
+    # and accepted tokens by position in the draft.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | tuple[int, ...]]:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -63,6 +63,10 @@ class Request:
     error: str | None = None
     # Prompt logprobs collected so far; set on the one sample of a request that scores its prompt.
     prompt_logprobs: PromptLogprobsBuffer | None = None
+    # Speculative decoding: tokens proposed to follow its last one, verified by its next step (set
+    # by the engine core before scheduling; the schedule takes them, as many as its budget allows).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_backoff: Any = None  # its paxserve.spec_decode.acceptance.DraftBackoff, once it proposed
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids and self.max_tokens >= 1, "the input processor checked both"

@@ -60,6 +60,9 @@ class ScheduledRequest:
     # The step completes the request's tokens, so the token it samples is the request's next one (a
     # prompt chunk that leaves more to compute samples nothing that is kept).
     samples: bool = True
+    # Speculative decoding: proposed tokens fed after the row's own (the last `len(spec_token_ids)` of
+    # its `num_new_tokens`); the step verifies them and keeps the longest prefix its sampler agrees with.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -77,6 +80,10 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return sum(len(s.spec_token_ids) for s in self.scheduled)
 
 
 class Scheduler:
@@ -103,6 +110,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._left_running.append(request.request_id)
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -126,7 +134,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            # Proposed tokens ride along with the one token a decoding request lacks (the engine core
+            # proposes only for those), as many as the budget leaves room for.
+            spec, request.spec_token_ids = request.spec_token_ids, []
+            lacking = request.num_tokens_with_placeholders - request.num_computed_tokens
+            if lacking != 1:
+                spec = []
+            num_new = min(lacking + len(spec), budget)
             if request.paused or num_new <= 0 or (
                     request.num_output_placeholders and
                     request.num_output_tokens + request.num_output_placeholders >= request.max_tokens):
@@ -148,7 +162,8 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(self._scheduled(request, num_new,
-                                                     self.kv.block_ids(request.request_id, num_blocks_before)))
+                                                     self.kv.block_ids(request.request_id, num_blocks_before),
+                                                     spec[:max(0, num_new - 1)] if spec else []))
                 budget -= num_new
                 i += 1
                 continue
@@ -196,36 +211,60 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new, []))
             budget -= num_new
         out.left_running_ids, self._left_running = self._left_running, []
+        if out.num_spec_tokens and any(self.requests[s.request_id].needs_prompt_logprobs for s in out.scheduled):
+            self._drop_spec_tokens(out)
         return out
 
-    def _scheduled(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
-        """The row of a request scheduled for `num_new` tokens. Its computed count moves on now (the
-        next schedule may follow this step before its results are back), and a step that completes
-        its tokens holds a placeholder for the token it will sample."""
-        samples = request.num_computed_tokens + num_new == request.num_tokens_with_placeholders
-        row = ScheduledRequest(request.request_id, num_new, request.num_computed_tokens, new_block_ids, samples)
+    def _drop_spec_tokens(self, out: SchedulerOutput) -> None:
+        """A step that scores prompt tokens runs the all-positions program, which verifies nothing:
+        its rows go without their proposals (the slots they were given stay for the next tokens)."""
+        for s in out.scheduled:
+            if s.spec_token_ids:
+                s.num_new_tokens -= len(s.spec_token_ids)
+                self.requests[s.request_id].num_computed_tokens -= len(s.spec_token_ids)
+                s.spec_token_ids = []
+
+    def _scheduled(self, request: Request, num_new: int, new_block_ids: list[int],
+                   spec: list[int] | None = None) -> ScheduledRequest:
+        """The row of a request scheduled for `num_new` tokens (the last `len(spec)` of them proposed).
+        Its computed count moves on now (the next schedule may follow this step before its results
+        are back), and a step that completes its tokens holds a placeholder for the token it will
+        sample."""
+        spec = spec or []
+        samples = request.num_computed_tokens + num_new - len(spec) == request.num_tokens_with_placeholders
+        row = ScheduledRequest(request.request_id, num_new, request.num_computed_tokens, new_block_ids, samples, spec)
         request.num_computed_tokens += num_new
         request.num_output_placeholders += samples
         return row
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int],
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int] | list[list[int]],
                            scheduled_for: list[Request | None] | None = None) -> list[Request]:
-        """Turn each sampling row's placeholder into its token (partial prompt chunks keep nothing).
-        A request that finished or was aborted while the step ran drops its token, even if a new
-        request took its id meanwhile (`scheduled_for`: each row's request if it is still unfinished,
-        else None, when the step ran behind later schedules). Returns the requests finished by
-        length or stop tokens."""
+        """Turn each sampling row's placeholder into its tokens (partial prompt chunks keep nothing):
+        one, or with proposals the accepted ones and the token after them. The KV of rejected
+        proposals is left to be overwritten: the computed count steps back over them. Tokens after
+        one that finishes the request (EOS, stop token id, max_tokens) are dropped, as plain
+        decoding would never have made them. A request that finished or was aborted while the step
+        ran drops its tokens, even if a new request took its id meanwhile (`scheduled_for`: each
+        row's request if it is still unfinished, else None, when the step ran behind later
+        schedules). `sampled`: each row's token, or its list of tokens. Returns the requests finished
+        by length or stop tokens."""
         finished = []
         if scheduled_for is None:
             scheduled_for = [self.requests.get(s.request_id) for s in out.scheduled]
-        for s, token, request in zip(out.scheduled, sampled, scheduled_for, strict=True):
+        for s, tokens, request in zip(out.scheduled, sampled, scheduled_for, strict=True):
             if not s.samples or request is None:
                 continue
+            tokens = tokens if isinstance(tokens, list) else [tokens]
+            assert 1 <= len(tokens) <= 1 + len(s.spec_token_ids), (tokens, s.spec_token_ids)
             request.num_output_placeholders -= 1
-            status = request.append_output(token)
-            if status is not None:
-                self.finish(request, status)
-                finished.append(request)
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(tokens)
+            for token in tokens:
+                status = request.append_output(token)
+                if status is not None:
+                    self.finish(request, status)
+                    finished.append(request)
+                    break
         return finished
 
     def finish(self, request: Request, status: RequestStatus) -> None:

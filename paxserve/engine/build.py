@@ -151,15 +151,23 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, plan.max_model_len), kv)
     is_worker = cluster is not None and cluster.rank != 0
+    spec = config.speculative_config
+    if spec is not None:
+        logger.info("speculative decoding: %s proposals of up to %d tokens (n-grams of %d-%d tokens looked up in the "
+                    "prompt and output), verified in the next step with 1 + %d logits rows per sequence",
+                    spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                    spec.num_speculative_tokens)
     runner = ModelRunner(model, plan.num_blocks, config.block_size, plan.max_model_len,
                          attention_backend=attention_backend, max_num_seqs=config.max_num_seqs,
                          program_store=_program_store(config, cluster), background_compile=config.compile_in_background,
                          kv_cache=None if kv_zeroing is None else kv_zeroing.result(),
                          kv_cache_dtype=kv_dtype, kv_scales=kv_scales,
-                         plan_sink=channel.send if channel is not None and not is_worker else None)
+                         plan_sink=channel.send if channel is not None and not is_worker else None,
+                         num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
     stats = StatsLogger(config.log_stats_interval)
     core = EngineCore(runner, kv, scheduler, model.config.vocab_size, stats,
-                      async_scheduling=_async_scheduling(config), isolate_failed_steps=cluster is None)
+                      async_scheduling=_async_scheduling(config), isolate_failed_steps=cluster is None,
+                      speculative=spec)
     # Chat templates render in killable processes (started on the first chat request): a template
     # that runs past its limit is stopped whatever it does.
     input_processor = InputProcessor(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
@@ -289,7 +297,9 @@ def _program_store(config: EngineConfig, cluster: Cluster | None) -> Path | None
 
 def _async_scheduling(config: EngineConfig) -> bool:
     platform = jax.devices()[0].platform
-    if config.async_scheduling is None:
+    if config.speculative_config is not None:
+        on, why = False, "speculative decoding: how many proposals a step accepts decides the next step's inputs"
+    elif config.async_scheduling is None:
         on = platform != "cpu"
         why = (f"the default on {platform}" if on else
                "the default on CPU: its steps run on the host's own cores, so building the next step beside "

@@ -27,6 +27,9 @@ from paxserve.core.prompt_logprobs import (
 from paxserve.core.request import Request, RequestStatus
 from paxserve.core.scheduler import Scheduler, SchedulerOutput
 from paxserve.engine.stats import StatsLogger
+from paxserve.spec_decode.acceptance import DraftBackoff, SpecDecodingStats
+from paxserve.spec_decode.config import SpeculativeConfig
+from paxserve.spec_decode.ngram import NgramProposer
 from paxserve.worker.model_runner import ModelRunner, ModelStep
 from paxserve.worker.sampling.host_inputs import SampledTokens, constrained_rows
 
@@ -55,9 +58,12 @@ class EngineCore:
     """Not thread-safe: one thread (the step loop, or the offline `Engine`) calls everything."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, vocab_size: int,
-                 stats: StatsLogger, async_scheduling: bool = False, isolate_failed_steps: bool = True) -> None:
+                 stats: StatsLogger, async_scheduling: bool = False, isolate_failed_steps: bool = True,
+                 speculative: SpeculativeConfig | None = None) -> None:
         """`isolate_failed_steps=False` (a multi-host engine): a failed step raises instead of failing
-        only its requests, since the other ranks' caches and programs can no longer be kept in step."""
+        only its requests, since the other ranks' caches and programs can no longer be kept in step.
+        `speculative`: propose tokens for decoding requests and verify them in their next step (the
+        runner must have been made for its number of tokens; steps then run synchronously)."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -73,6 +79,18 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.isolate_failed_steps = isolate_failed_steps
         self._in_flight: _Flight | None = None
+        self.speculative = speculative
+        self.spec_stats = SpecDecodingStats()
+        self._proposer = None
+        if speculative is not None:
+            if async_scheduling:
+                raise ValueError("speculative decoding runs each step to the end before the next (how many "
+                                 "proposals a step accepts decides the next one's inputs): turn async scheduling off")
+            if runner.input_batch.verify_width != 1 + speculative.num_speculative_tokens:
+                raise ValueError(f"the model runner verifies {runner.input_batch.verify_width - 1} proposed tokens, "
+                                 f"the speculative config proposes {speculative.num_speculative_tokens}: build "
+                                 "both from the same config")
+            self._proposer = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -150,6 +168,8 @@ class EngineCore:
         are taken in while it runs, so the host's scheduling and bookkeeping hide under device work;
         the outputs returned are then the previous step's. A row whose request finished (or was
         aborted) meanwhile drops its token, so nothing is ever emitted past a stop."""
+        if self._proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         self.last_num_scheduled = len(out.scheduled)
         outputs: list[SampleOutput] = []
@@ -172,6 +192,24 @@ class EngineCore:
             outputs += self._complete(self._take_in_flight(), successor=flight)
         self._in_flight = None if flight is None or flight.abandoned else flight
         return outputs
+
+    def _propose(self) -> None:
+        """Proposals for the running requests that decode next (one token lacking, nothing in
+        flight) and whose sampling the verification reproduces exactly; the schedule takes them."""
+        k = self.speculative.num_speculative_tokens
+        for r in self.scheduler.running:
+            r.spec_token_ids = []
+            if (r.paused or r.matcher is not None or r.sampling_params.uses_penalties or r.num_output_placeholders
+                    or r.num_computed_tokens != r.num_tokens - 1):
+                continue
+            # Never past max_tokens: the token after the proposals is always kept too.
+            room = min(k, r.max_tokens - r.num_output_tokens - 1)
+            if room < 1:
+                continue
+            if r.spec_backoff is None:
+                r.spec_backoff = DraftBackoff()
+            if r.spec_backoff.allows():
+                r.spec_token_ids = self._proposer.propose(r.all_token_ids, room)
 
     def _take_in_flight(self) -> _Flight:
         flight, self._in_flight = self._in_flight, None
@@ -200,7 +238,8 @@ class EngineCore:
                                                                                                           s.num_new_tokens)
                  for b, r, s in zip(buffers, requests, out.scheduled)], out.num_scheduled_tokens)
         num_prompt_tokens = sum(s.num_new_tokens for s, r in zip(out.scheduled, requests)
-                                if s.num_new_tokens > 1 or (r is not None and r.num_output_tokens == 0))
+                                if s.num_new_tokens - len(s.spec_token_ids) > 1
+                                or (r is not None and r.num_output_tokens == 0))
         step = self.runner.dispatch_model(out, constrained, prompt)  # nobody scores prompts: the plain program
         return _Flight(out, requests, step, self.kv.take_registered(), buffers, prompt, num_prompt_tokens)
 
@@ -217,12 +256,23 @@ class EngineCore:
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)
-        finished_now = {r.request_id for r in self.scheduler.update_from_output(out, sampled.token_ids, requests)}
+        row_tokens = sampled.row_tokens if sampled.row_tokens is not None else [[t] for t in sampled.token_ids]
+        before = [0 if r is None else r.num_output_tokens for r in requests]
+        finished_now = {r.request_id for r in self.scheduler.update_from_output(out, row_tokens, requests)}
         outputs = []
+        num_generated = 0
         for row, (s, request) in enumerate(zip(out.scheduled, requests)):
+            if s.spec_token_ids:
+                accepted = len(row_tokens[row]) - 1
+                self.spec_stats.record(len(s.spec_token_ids), accepted)
+                if request is not None and request.spec_backoff is not None:
+                    request.spec_backoff.record(len(s.spec_token_ids), accepted)
             if s.samples and request is not None:
-                outputs.append(self._sample_output(request, row, sampled, request.request_id in finished_now))
-        self.stats.on_step(flight.num_prompt_tokens, len(outputs), flight.num_preempted)
+                num_new = request.num_output_tokens - before[row]
+                num_generated += num_new
+                outputs.append(self._sample_output(request, row, sampled, request.request_id in finished_now,
+                                                   num_new))
+        self.stats.on_step(flight.num_prompt_tokens, num_generated, flight.num_preempted)
         self.stats.maybe_log(self)
         return outputs
 
@@ -250,11 +300,15 @@ class EngineCore:
         return [r if r is not None and self.scheduler.requests.get(r.request_id) is r else None
                 for r in flight.requests]
 
-    def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool) -> SampleOutput:
+    def _sample_output(self, request: Request, row: int, sampled: SampledTokens, finished: bool,
+                       num_new: int = 1) -> SampleOutput:
+        """`num_new`: the tokens the step added to the request (several when it verified proposals)."""
         logprobs = None
         if request.sampling_params.logprobs is not None and sampled.sampled_logprobs is not None:
-            logprobs = SampledLogprobs(float(sampled.sampled_logprobs[row]), sampled.top_token_ids[row],
-                                       sampled.top_logprobs[row])
+            first = row * sampled.width
+            logprobs = [SampledLogprobs(float(sampled.sampled_logprobs[i]), sampled.top_token_ids[i],
+                                        sampled.top_logprobs[i]) for i in range(first, first + num_new)]
+            logprobs = logprobs[0] if num_new == 1 else logprobs
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is not None and prompt_logprobs.complete and not prompt_logprobs.sent:
             prompt_logprobs.sent = True
@@ -263,7 +317,8 @@ class EngineCore:
         if finished:
             self._forget(request)
         return SampleOutput(
-            request.parent_id or request.request_id, request.sample_index, [request.output_token_ids[-1]], logprobs,
+            request.parent_id or request.request_id, request.sample_index, request.output_token_ids[-num_new:],
+            logprobs,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens,
             error=request.error if finished else None, ended_by_grammar=finished and request.ended_by_grammar,
@@ -320,5 +375,9 @@ class EngineCore:
             generation_tokens=self.stats.generation_tokens,
             num_failed_steps=self.num_failed_steps,
             num_kv_cache_resets=self.num_kv_cache_resets,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
         )
 

@@ -120,18 +120,24 @@ class OutputProcessor:
         params = state.request.sampling_params
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = self._prompt_logprobs(state.request.prompt_token_ids, out.prompt_logprobs)
-        for token in out.new_token_ids:
-            sample.token_ids.append(token)
-            if sample.want_logprobs and out.logprobs is not None:
-                sample.logprobs.append(self._logprobs_entry(token, out.logprobs, params.logprobs or 0))
-                sample.cumulative_logprob += out.logprobs.logprob
-        sample.changed = True
         # A token that ended the sample as EOS or a stop token id is text only when asked (vLLM).
         ended_by_token = out.finish_reason == RequestStatus.FINISHED_STOPPED.value and not out.ended_by_grammar
-        text_ids = out.new_token_ids if not ended_by_token or params.include_stop_str_in_output \
-            else out.new_token_ids[:-1]
+        logprobs = [out.logprobs] if isinstance(out.logprobs, SampledLogprobs) else out.logprobs
         detok = sample.detokenizer
-        stop = detok.update(text_ids) if text_ids and not detok.finished else None
+        stop = None
+        last = len(out.new_token_ids) - 1
+        # Token by token: a stop string completed by one of several new tokens (verified proposals)
+        # ends the sample there, as plain decoding would have, and the tokens after it are not kept.
+        for i, token in enumerate(out.new_token_ids):
+            sample.token_ids.append(token)
+            if sample.want_logprobs and logprobs is not None:
+                sample.logprobs.append(self._logprobs_entry(token, logprobs[i], params.logprobs or 0))
+                sample.cumulative_logprob += logprobs[i].logprob
+            if (i < last or not ended_by_token or params.include_stop_str_in_output) and not detok.finished:
+                stop = detok.update([token])
+                if stop is not None:
+                    break
+        sample.changed = True
         if stop is not None:
             sample.finish_reason, sample.stop_reason = RequestStatus.FINISHED_STOPPED.value, stop
             if out.finish_reason is None:

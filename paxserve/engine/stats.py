@@ -21,6 +21,9 @@ class StatsLogger:
     _last_time: float = field(default_factory=time.monotonic)
     _last_prompt: int = 0
     _last_generation: int = 0
+    _last_drafts: int = 0
+    _last_draft_tokens: int = 0
+    _last_accepted: int = 0
 
     def on_step(self, prompt_tokens: int, generation_tokens: int, preemptions: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -41,3 +44,13 @@ class StatsLogger:
             100 * prefix.hit_rate, self.preemptions,
         )
         self._last_time, self._last_prompt, self._last_generation = now, self.prompt_tokens, self.generation_tokens
+        spec = getattr(engine, "spec_stats", None)
+        if spec is not None and spec.num_drafts > self._last_drafts:
+            drafts = spec.num_drafts - self._last_drafts
+            proposed = spec.num_draft_tokens - self._last_draft_tokens
+            accepted = spec.num_accepted_tokens - self._last_accepted
+            logger.info("Speculative decoding: mean acceptance length %.2f (tokens per verified draft, the bonus "
+                        "token included), accepted %d of %d proposed tokens (%.1f%%) in %d drafts",
+                        1 + accepted / drafts, accepted, proposed, 100 * accepted / proposed, drafts)
+            self._last_drafts, self._last_draft_tokens, self._last_accepted = (
+                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)

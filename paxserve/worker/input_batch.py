@@ -41,6 +41,25 @@ class PreparedStep:
     # the step's token must not land there.
     token_lists: list[list[int]]
     token_index: list[int]  # where the row's sampled token goes in its token ids (-1: not kept)
+    # A verifying step: each row's proposals (fed after its last token), and the logits rows each
+    # sequence has (1 + k); a plain step has one row per sequence and no proposals.
+    drafts: list[list[int]] | None = None
+    width: int = 1
+
+    def row_tokens(self, token_ids: list[int]) -> list[list[int]]:
+        """Each row's kept tokens from the sampler's rows: its one token, or when it verified
+        proposals the samples up to and including the first that differs from its proposal (the
+        rule `sampling.verify` applies on the device)."""
+        if self.drafts is None:
+            return [[t] for t in token_ids[:len(self.rows)]]
+        out = []
+        for i, draft in enumerate(self.drafts):
+            samples = token_ids[i * self.width:(i + 1) * self.width]
+            m = 0
+            while m < len(draft) and samples[m] == draft[m]:
+                m += 1
+            out.append(samples[:m + 1])
+        return out
 
     @property
     def keep(self) -> list[bool]:
@@ -52,9 +71,15 @@ class InputBatch:
     """Rows 1..max_num_seqs; row 0 is never handed out (padding reads it: neutral sampling, state
     row 0)."""
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, vocab_size: int) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, vocab_size: int,
+                 num_spec_tokens: int = 0) -> None:
+        """`num_spec_tokens`: speculative decoding's k (a verifying step has 1 + k logits rows per
+        sequence); 0 without speculation."""
         if max_num_seqs < 1:
             raise ValueError(f"InputBatch: max_num_seqs must be >= 1, got {max_num_seqs}")
+        if num_spec_tokens < 0:
+            raise ValueError(f"InputBatch: num_spec_tokens must be >= 0, got {num_spec_tokens}")
+        self.verify_width = 1 + num_spec_tokens
         self.num_rows = max_num_seqs + 1
         self.block_size = block_size
         self._free = list(range(max_num_seqs, 0, -1))  # pop() hands out the lowest row first
@@ -129,9 +154,17 @@ class InputBatch:
         num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int32, n)
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
         token_ids = self.token_ids
-        input_ids = np.fromiter((t for s, r in zip(scheduled, rows)
-                                 for t in token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
-                                np.int32, int(num_new.sum()))
+        verifying = any(s.spec_token_ids for s in scheduled)
+        if verifying:
+            # A row's proposals follow its own tokens (they are not in its token ids: most get rejected).
+            input_ids = np.fromiter((t for s, r in zip(scheduled, rows) for t in (
+                token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)]
+                + s.spec_token_ids)), np.int32, int(num_new.sum()))
+        else:
+            input_ids = np.fromiter(
+                (t for s, r in zip(scheduled, rows)
+                 for t in token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
+                np.int32, int(num_new.sum()))
         pending = input_ids == PLACEHOLDER
         source = None
         if pending.any():
@@ -148,21 +181,56 @@ class InputBatch:
         keep_padded = np.zeros(s_pad, bool)
         keep_padded[:n] = keep
         step = self.num_tokens[index] - self.num_prompt_tokens[index]
-        sampling = self.sampling.gather(index, step, keep_padded, n)
+        drafts = None
+        if verifying:
+            drafts = [list(s.spec_token_ids) for s in scheduled]
+            sampling = self._verify_inputs(batch, drafts, index, step, keep_padded, n)
+        else:
+            sampling = self.sampling.gather(index, step, keep_padded, n)
         token_index = []
         for row, kept in zip(rows, keep):
             token_index.append(len(token_ids[row]) if kept else -1)
             if kept:
                 token_ids[row].append(PLACEHOLDER)
                 self.num_tokens[row] += 1
-        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], token_index)
+        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], token_index, drafts,
+                            self.verify_width if verifying else 1)
 
-    def record(self, step: PreparedStep, sampled_token_ids: list[int]) -> None:
-        """Put each kept row's sampled token in place of its placeholder (rows whose request has
-        left the batch meanwhile are skipped: their token is dropped)."""
-        for row, tokens, index, token in zip(step.rows, step.token_lists, step.token_index, sampled_token_ids):
+    def _verify_inputs(self, batch: Batch, drafts: list[list[int]], index: np.ndarray, step: np.ndarray,
+                       keep: np.ndarray, n: int) -> SamplingInputs:
+        """A verifying step's sampler inputs: L = 1 + k rows per sequence, row j at the position after
+        its j-th fed token (its last real token, then its proposals; rows past its proposals repeat
+        the last one and keep nothing). The batch's logits indices become those L per sequence."""
+        width = self.verify_width
+        s_pad = batch.context_lens.shape[0]
+        num_drafts = np.zeros(s_pad, np.int32)
+        num_drafts[:n] = [len(d) for d in drafts]
+        draft_grid = np.full((s_pad, width), -1, np.int32)
+        for i, draft in enumerate(drafts):
+            draft_grid[i, :len(draft)] = draft
+        position = np.arange(width, dtype=np.int32)[None, :]
+        # The sequence's last real token's row: its logits index minus its proposals.
+        first = (batch.logits_indices - num_drafts)[:, None]
+        batch.logits_indices = (first + np.minimum(position, num_drafts[:, None])).reshape(-1).astype(np.int32)
+        batch.program = "verify"
+        sampling = self.sampling.gather(np.repeat(index, width), (step[:, None] + position).reshape(-1),
+                                        np.repeat(keep, width), n * width)
+        sampling.draft_tokens = draft_grid
+        return sampling
+
+    def record(self, step: PreparedStep, sampled: list[list[int]] | list[int]) -> None:
+        """Put each kept row's sampled tokens in place of its placeholder (rows whose request has
+        left the batch meanwhile are skipped: their tokens are dropped). Only a verifying step keeps
+        more than one, and it never runs behind another step (its successor's inputs depend on how
+        many it kept)."""
+        for row, tokens, index, new in zip(step.rows, step.token_lists, step.token_index, sampled):
             if index >= 0 and self.token_ids[row] is tokens:
-                tokens[index] = token
+                new = new if isinstance(new, list) else [new]
+                tokens[index] = new[0]
+                if len(new) > 1:
+                    assert len(tokens) == index + 1, "a verifying step ran behind another"
+                    tokens.extend(new[1:])
+                    self.num_tokens[row] += len(new) - 1
 
     def unrecord(self, step: PreparedStep) -> None:
         """Take back the placeholders of a step whose results will never come (it was abandoned)."""

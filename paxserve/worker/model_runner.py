@@ -113,8 +113,8 @@ class ModelRunner:
                  attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256,
                  program_store: Path | None = None, background_compile: bool = False,
                  kv_cache: KVCache | None = None, plan_sink: Callable[[tuple], None] | None = None,
-                 kv_cache_dtype: np.dtype | None = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None
-                 ) -> None:
+                 kv_cache_dtype: np.dtype | None = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
+                 num_spec_tokens: int = 0) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
@@ -134,7 +134,8 @@ class ModelRunner:
         self._num_blocks = num_blocks
         # Row 0 is the all-zero row of requests without state; each running request may hold one more.
         self.num_state_rows = max_num_seqs + 1
-        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, cfg.vocab_size)
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, cfg.vocab_size,
+                                      num_spec_tokens)
         # The cache's dtype (the model's, or fp8) and, for fp8, its per-layer (K, V) scales.
         self.kv_dtype = np.dtype(model.dtype if kv_cache_dtype is None else kv_cache_dtype)
         self._kv_scales = kv_scales
@@ -143,7 +144,7 @@ class ModelRunner:
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
                                  self.num_state_rows, attention_backend, model.tp, model.quantization,
                                  None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype,
-                                 matmul_kernel(model.params))
+                                 matmul_kernel(model.params), num_spec_tokens)
         common = "|".join([environment_fingerprint(), source_fingerprint()])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),
@@ -350,11 +351,18 @@ class ModelRunner:
             chosen.append(self.program(num_tokens, num_seqs, widest, kind))
             return chosen[-1][1:]
 
+        if out.num_spec_tokens:
+            assert prompt is None, "the schedule drops proposals from a step that scores prompt tokens"
+            kind = "verify"
         step = self.input_batch.prepare(out.scheduled, sizes)
         if prompt is None:
             step.batch.program = chosen[-1][0]
         if constrained is not None:
-            step.sampling.allowed_token_bitmask = constrained.bitmask(step.batch.context_lens.shape[0])
+            # A verifying step's sequence i has rows i * width ...: only its first samples a
+            # constrained row's token (constrained rows propose nothing).
+            width = step.width
+            constrained = ConstrainedRows(constrained.rows * width, constrained.words) if width > 1 else constrained
+            step.sampling.allowed_token_bitmask = constrained.bitmask(step.batch.context_lens.shape[0] * width)
         if prompt is not None:
             prompt = prompt.padded(step.batch.input_ids.shape[0])
         return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt))
@@ -363,7 +371,9 @@ class ModelRunner:
         """Wait for a dispatched step, record its kept tokens in the persistent batch and return
         them (with the prompt-logprob rows of a prompt-logprobs step)."""
         sampled, prompt_rows = self.collect(step.device)
-        self.input_batch.record(step.prepared, sampled.token_ids)
+        sampled.row_tokens = step.prepared.row_tokens(sampled.token_ids)
+        sampled.width = step.prepared.width
+        self.input_batch.record(step.prepared, sampled.row_tokens)
         return sampled, prompt_rows
 
     # ---- one step on the device ----------------------------------------------------------------------
@@ -405,6 +415,12 @@ class ModelRunner:
         t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
         self.tokens_run += t
         self.tokens_real += batch.num_tokens
+        if sampling.draft_tokens is not None:
+            width = sampling.draft_tokens.shape[1]
+            logits, self.kv_cache = self._run(("verify", t, s, b), *self.forward_args(batch))
+            packed, self.sampler_state = self._run(("verify_sample", s), logits, self._sampling_metadata(sampling),
+                                                   self.sampler_state, jnp.asarray(sampling.draft_tokens))
+            return DeviceStep(packed, batch.num_seqs * width, s * width, None)
         if prompt is None:
             logits, self.kv_cache = self._run((batch.program, t, s, b), *self.forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),

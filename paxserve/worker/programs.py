@@ -52,7 +52,7 @@ Spec = Callable[[Key], tuple[Callable[[], Any], tuple[Any, ...], Any]]
 
 # The packages whose source traces into the programs (the server's does not).
 _SOURCE_PACKAGES = ("paxserve", "paxserve.models", "paxserve.kernels")
-_KINDS = ("forward", "decode", "sample", "all_logits", "score")
+_KINDS = ("forward", "decode", "sample", "all_logits", "score", "verify", "verify_sample")
 
 
 def _package_folder(name: str) -> Path:

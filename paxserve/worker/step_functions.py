@@ -34,14 +34,16 @@ from paxserve.worker.sampling.sampler import (
     sample,
     write_state_rows,
 )
+from paxserve.worker.sampling.verify import verify
 from paxserve.worker.step_inputs import Batch
 
 logger = logging.getLogger(__name__)
 
 STATIC = ("cfg", "attention_backend", "tp")
 # The model programs, keyed (kind, tokens, sequences, block width): a plain step, a pure-decode step
-# (the backend's decode-only kernel) and a step with logits at every position (prompt logprobs).
-FORWARD_KINDS = ("forward", "decode", "all_logits")
+# (the backend's decode-only kernel), a step with logits at every position (prompt logprobs) and a
+# verifying step (speculative decoding: 1 + k logits rows per sequence).
+FORWARD_KINDS = ("forward", "decode", "all_logits", "verify")
 
 
 def run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
@@ -102,6 +104,7 @@ def _sample_and_score(logits: Float[Array, "T V"], logits_indices: Int[Array, " 
 # once per sequence bucket, not once per (tokens, sequences, block-table width) bucket of the model.
 sample_step = jax.jit(sample, donate_argnums=(2,))
 sample_and_score_step = jax.jit(_sample_and_score, donate_argnums=(3,))
+verify_step = jax.jit(verify, donate_argnums=(2,))
 # Rewrites whole rows of the sampler state in place (compiled once per power of two of rows).
 write_state_rows_step = jax.jit(write_state_rows, donate_argnums=(0,))
 
@@ -135,6 +138,11 @@ class StepShapes:
     quantization: Any = None  # the WeightQuantization the linear weights were loaded with, if any
     kv_dtype: Any = None  # the KV cache's dtype when it is not the model's (fp8)
     matmul_kernel: Any = None  # the MatmulKernel quantized weights run on (None: XLA's matmul)
+    num_spec_tokens: int = 0  # speculative decoding's k: a verifying step has 1 + k logits rows per sequence
+
+    @property
+    def verify_width(self) -> int:
+        return 1 + self.num_spec_tokens
 
     @property
     def _replicated(self) -> Any:
@@ -173,11 +181,11 @@ class StepShapes:
             batch_row=_shape((s,), i32), keep=_shape((s,), bool),
             allowed_token_bitmask=_shape((s, bitmask_width(self.cfg.vocab_size)), i32))
 
-    def forward_args(self, t: int, s: int, b: int) -> tuple[Any, ...]:
+    def forward_args(self, t: int, s: int, b: int, logits_rows: int | None = None) -> tuple[Any, ...]:
         i32 = jnp.int32
         metadata = AttentionMetadata(slot_mapping=_shape((t,), i32), block_tables=_shape((s, b), i32),
                                      context_lens=_shape((s,), i32), query_start_loc=_shape((s + 1,), i32),
-                                     logits_indices=_shape((s,), i32))
+                                     logits_indices=_shape((logits_rows or s,), i32))
         return (self.params(), self.kv_cache(), _shape((t,), i32), _shape((t,), i32), metadata,
                 _shape((self.num_state_rows,), i32, self._replicated), _shape((t,), i32))
 
@@ -187,6 +195,8 @@ class StepShapes:
         backend."""
         tp = None if self.tp is None else (self.tp.size, self.tp.expert_parallel)
         common = f"{self.cfg!r}|{self.dtype}|{self.quantization!r}|{self.matmul_kernel!r}|{self.kv_dtype}|{tp!r}|{kind}"
+        if kind.startswith("verify"):
+            common += f"|{self.verify_width}"
         if kind in FORWARD_KINDS:
             return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"
@@ -201,9 +211,9 @@ class StepShapes:
         vocab = self.cfg.vocab_size
         if kind in FORWARD_KINDS:
             t, s, b = sizes
-            args = self.forward_args(t, s, b)
+            rows = t if kind == "all_logits" else s * self.verify_width if kind == "verify" else s
+            args = self.forward_args(t, s, b, rows)
             fn = jitted_all_logits if kind == "all_logits" else jitted_logits
-            rows = t if kind == "all_logits" else s
             out = (_shape((rows, vocab), jnp.float32, self._replicated), args[1])
             return (lambda: fn(self.architecture.forward).lower(*args, **self.statics(kind))), args, out
         if kind == "sample":
@@ -211,6 +221,13 @@ class StepShapes:
             args = (_shape((s, vocab), jnp.float32, self._replicated), self.sampling(s), self.sampler_state())
             out = (_shape((s, PACKED_WIDTH), jnp.float32), args[2])
             return (lambda: sample_step.lower(*args)), args, out
+        if kind == "verify_sample":
+            (s,) = sizes
+            n = s * self.verify_width
+            args = (_shape((n, vocab), jnp.float32, self._replicated), self.sampling(n), self.sampler_state(),
+                    _shape((s, self.verify_width), jnp.int32))
+            out = (_shape((n, PACKED_WIDTH), jnp.float32), args[2])
+            return (lambda: verify_step.lower(*args)), args, out
         if kind == "score":
             t, s = sizes
             args = (_shape((t, vocab), jnp.float32, self._replicated), _shape((s,), jnp.int32), self.sampling(s),

@@ -88,6 +88,9 @@ class SamplingInputs:
     allowed_token_bitmask: np.ndarray | None
     num_rows: int  # real (unpadded) rows; host only
     vocab_size: int  # host only: the bitmask's width when it is None
+    # A verifying step (speculative decoding): i32 [S / L, L], each sequence's proposals in the order
+    # its rows' samples are compared with them (-1: none); the rows above are then L per sequence.
+    draft_tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         s = self.temperature.shape[0]
@@ -159,6 +162,11 @@ class SampledTokens:
     sampled_logprobs: np.ndarray  # f32 [N]
     top_token_ids: np.ndarray  # i32 [N, MAX_LOGPROBS], most likely first
     top_logprobs: np.ndarray  # f32 [N, MAX_LOGPROBS]
+    # Each step row's kept tokens (set by the model runner): its one token, or after verifying
+    # proposals the accepted ones and the token after them. Token t of row i is sampler row
+    # i * width + t.
+    row_tokens: list[list[int]] | None = None
+    width: int = 1
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -220,12 +220,10 @@ def prompt_logprob_columns(logits: Float[Array, "T V"], targets: Int[Array, " T"
     return jnp.concatenate([actual, rank.astype(jnp.float32), top_ids, top_values], axis=-1)
 
 
-def sample(logits: Float[Array, "S V"], md: SamplingMetadata,
-           state: SamplerState) -> tuple[Float[Array, "S W"], SamplerState]:
-    """One packed float32 array per step, so the engine copies to the host once: column 0 the token
-    id (exact below 2**24), then its logprob, MAX_LOGPROBS top ids and their logprobs (zeros when no
-    row asked; unpack with `host_inputs.unpack`). The state comes back with the kept tokens
-    counted."""
+def sample_tokens(logits: Float[Array, "S V"], md: SamplingMetadata,
+                  state: SamplerState) -> tuple[Int[Array, " S"], Float[Array, "S W"]]:
+    """Every row's token, and the packed float32 rows `sample` returns (the state is read, not
+    changed: the caller counts what it keeps)."""
     logits = logits.astype(jnp.float32)
     processed = apply_token_bitmask(apply_penalties_and_bias(logits, md, state), logits, md.allowed_token_bitmask)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
@@ -234,5 +232,14 @@ def sample(logits: Float[Array, "S V"], md: SamplingMetadata,
     width = 1 + 2 * MAX_LOGPROBS
     columns = jax.lax.cond(jnp.any(md.logprobs), lambda: _logprob_columns(logits, tokens, MAX_LOGPROBS),
                            lambda: jnp.zeros((logits.shape[0], width), jnp.float32))
-    packed = jnp.concatenate([tokens.astype(jnp.float32)[:, None], columns], axis=-1)
+    return tokens, jnp.concatenate([tokens.astype(jnp.float32)[:, None], columns], axis=-1)
+
+
+def sample(logits: Float[Array, "S V"], md: SamplingMetadata,
+           state: SamplerState) -> tuple[Float[Array, "S W"], SamplerState]:
+    """One packed float32 array per step, so the engine copies to the host once: column 0 the token
+    id (exact below 2**24), then its logprob, MAX_LOGPROBS top ids and their logprobs (zeros when no
+    row asked; unpack with `host_inputs.unpack`). The state comes back with the kept tokens
+    counted."""
+    tokens, packed = sample_tokens(logits, md, state)
     return packed, count_kept_tokens(state, md, tokens)
