@@ -145,3 +145,28 @@ def test_engine_generate_matches_hf(hf_greedy, tmp_path) -> None:
     chat = engine.chat(CHATS[0], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
     assert chat.outputs[0].token_ids == refs[0]
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_speculative_decoding_gives_transformers_tokens(hf, hf_greedy) -> None:
+    """n-gram speculation on the bundled model: the same greedy tokens as transformers, on the usual
+    prompts and on a grounded one (repeat a passage) whose proposals are mostly accepted."""
+    from paxserve import Engine, SamplingParams
+
+    hf_model, _ = hf
+    prompts, refs = hf_greedy
+    engine = Engine(max_model_len=512, max_num_seqs=8, warmup=False, log_stats_interval=0, compilation_cache_dir="",
+                    kv_cache_memory_bytes=64 * 2**20, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly "
+               "quick daft zebras jump. The five boxing wizards jump quickly.")
+    grounded = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this text exactly: {passage}"}], add_generation_prompt=True,
+        tokenize=True)
+    eos = engine.model_config.eos_token_ids
+    with torch.no_grad():
+        grounded_ref = hf_model.generate(torch.tensor([grounded]), attention_mask=torch.ones(1, len(grounded),
+                                         dtype=torch.long), max_new_tokens=32, do_sample=False,
+                                         eos_token_id=list(eos), pad_token_id=eos[0])[0, len(grounded):].tolist()
+    outs = engine.generate(prompts + [grounded], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs + [grounded_ref]
+    stats = engine.parts.core.spec_stats
+    assert stats.num_accepted_tokens >= 10, stats

@@ -1,0 +1,256 @@
+"""Speculative decoding: the n-gram proposer, the schedule of proposed tokens, the verification's
+exactness (greedy and seeded sampled outputs equal those without proposals, token for token) and
+the target distribution kept by rejection sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paxserve import Engine, SamplingParams
+from paxserve.config import EngineConfig
+from paxserve.core.kv_cache_manager import KVCacheManager
+from paxserve.core.request import Request
+from paxserve.core.scheduler import Scheduler, SchedulerConfig
+from paxserve.spec_decode.acceptance import DraftBackoff, SpecDecodingStats
+from paxserve.spec_decode.config import SpeculativeConfig
+from paxserve.spec_decode.ngram import NgramProposer
+from paxserve.worker.sampling.host_inputs import SamplingRow, build_sampling_inputs
+from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata
+from paxserve.worker.sampling.verify import verify
+from tests.helpers import make_tiny_llama
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+def test_the_config_reads_vllm_json_and_names_what_is_wrong() -> None:
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == \
+        ("ngram", 4, 1, 3)
+    bad = [({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+           ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+           ({"method": "ngram"}, "num_speculative_tokens"),
+           ({"method": "magic", "num_speculative_tokens": 2}, "method"),
+           ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not available"),
+           ({"model": "/some/draft", "num_speculative_tokens": 2}, "not available"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown keys"),
+           ("{not json", "JSON")]
+    for value, words in bad:
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(value)
+    with pytest.raises(ValueError, match="EngineConfig.speculative_config.num_speculative_tokens"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=True)
+
+
+def test_ngram_lookup_proposes_what_followed_the_longest_latest_match() -> None:
+    proposer = NgramProposer(1, 3)
+    # The tail (7, 8, 9) occurred at 1..3, followed by 10, 11, 12.
+    assert proposer.propose([1, 7, 8, 9, 10, 11, 12, 5, 7, 8, 9], 2) == [10, 11]
+    # Longest first: the 2-gram (8, 9) matches later than the 3-gram would, but the 3-gram wins.
+    assert proposer.propose([7, 8, 9, 1, 2, 0, 8, 9, 3, 7, 8, 9], 1) == [1]
+    assert proposer.propose([1, 2, 3, 4], 3) == []
+    assert proposer.propose([4, 4], 3) == [4]  # a match near the end proposes what there is
+    assert NgramProposer(2, 2).propose([5, 1, 5], 2) == []  # a 1-gram match does not count
+
+
+def test_back_off_pauses_a_request_whose_proposals_fail_and_resumes_it() -> None:
+    backoff = DraftBackoff()
+    backoff.record(3, 0)
+    backoff.record(3, 0)
+    paused = 0
+    while not backoff.allows():
+        paused += 1
+    assert paused >= 4
+    backoff.record(3, 3)
+    assert backoff.allows()
+    stats = SpecDecodingStats()
+    stats.record(3, 2)
+    stats.record(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
+    assert stats.accepted_per_position == [1, 1, 0] and stats.mean_acceptance_length == 2.0
+
+
+# ---- the schedule --------------------------------------------------------------------------------
+
+
+def _scheduler(num_blocks: int = 20, budget: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64),
+                     KVCacheManager(num_blocks, block_size=4, enable_caching=True))
+
+
+def test_proposals_are_scheduled_with_slots_and_rejected_ones_are_stepped_back_over() -> None:
+    sched = _scheduler()
+    request = Request("a", [1, 2, 3], SamplingParams(temperature=0.0), max_tokens=10, eos_token_ids=(99,))
+    sched.add_request(request)
+    sched.update_from_output(sched.schedule(), [4])  # the prompt: 4 tokens, one block
+    request.spec_token_ids = [5, 6, 7]
+    out = sched.schedule()
+    (row,) = out.scheduled
+    assert (row.num_new_tokens, row.num_computed_tokens, row.spec_token_ids) == (4, 3, [5, 6, 7])
+    assert sched.kv.num_blocks("a") == 2 and request.spec_token_ids == []
+    # The proposal 5 was right, 6 was not: the sampler kept 5 and its own 8.
+    sched.update_from_output(out, [[5, 8]])
+    assert request.output_token_ids == [4, 5, 8] and request.num_computed_tokens == 5
+    # Only blocks of known tokens enter the prefix cache (block 1 holds 4, 5 and two proposals).
+    assert sched.kv._num_registered["a"] == 1
+    # EOS inside an accepted run ends the request there; what follows is dropped.
+    request.spec_token_ids = [9, 99, 10]
+    out = sched.schedule()
+    assert sched.update_from_output(out, [[9, 99, 10, 11]]) == [request]
+    assert request.output_token_ids == [4, 5, 8, 9, 99]
+    assert sched.kv.num_free_blocks == 19
+
+
+def test_the_budget_trims_proposals_and_prompt_scoring_drops_them() -> None:
+    sched = _scheduler(budget=3)
+    request = Request("a", [1, 2], SamplingParams(temperature=0.0), max_tokens=10)
+    sched.add_request(request)
+    sched.update_from_output(sched.schedule(), [3])
+    request.spec_token_ids = [4, 5, 6, 7]
+    (row,) = sched.schedule().scheduled
+    assert row.num_new_tokens == 3 and row.spec_token_ids == [4, 5]
+
+    sched = _scheduler()
+    first = Request("a", [1, 2], SamplingParams(temperature=0.0), max_tokens=10)
+    sched.add_request(first)
+    sched.update_from_output(sched.schedule(), [3])
+    scoring = Request("b", [1, 2, 3], SamplingParams(temperature=0.0, prompt_logprobs=1), max_tokens=4)
+    from paxserve.core.prompt_logprobs import PromptLogprobsBuffer
+    scoring.prompt_logprobs = PromptLogprobsBuffer.empty(3, 1)
+    sched.add_request(scoring)
+    first.spec_token_ids = [4, 5]
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens, s.spec_token_ids) for s in out.scheduled] == [("a", 1, []), ("b", 3, [])]
+    assert first.num_computed_tokens == 3
+
+
+# ---- the verification's distribution -------------------------------------------------------------
+
+
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
+    """Many seeds, one position with a proposal: the kept token is distributed as the target's
+    (temperature 1, then top-p 0.8, which drops the tail), and the proposal is accepted with
+    its probability."""
+    vocab, n = 8, 4000
+    logits = np.log(np.array([0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02], np.float32))
+    draft = 1
+    for top_p, target in ((1.0, np.exp(logits)), (0.8, None)):
+        if target is None:  # top-p 0.8 keeps 0.30 + 0.22 + 0.16 + 0.12 (the mass before 0.12 is < 0.8)
+            target = np.where(np.arange(vocab) < 4, np.exp(logits), 0.0)
+        target = target / target.sum()
+        rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=top_p), [1], [], seed=i, eos_token_ids=())
+                for i in range(n) for _ in range(2)]
+        inputs = build_sampling_inputs(rows, 2 * n, vocab)
+        inputs.step[1::2] += 1  # a sequence's second row samples the position after
+        md = SamplingMetadata.from_inputs(inputs)
+        drafts = jnp.asarray(np.tile(np.array([[draft, -1]], np.int32), (n, 1)))
+        packed, _ = jax.jit(verify)(jnp.tile(jnp.asarray(logits)[None], (2 * n, 1)), md,
+                                    SamplerState.zeros(2 * n + 1, vocab), drafts)
+        first = np.asarray(packed[0::2, 0]).astype(int)
+        counts = np.bincount(first, minlength=vocab)
+        expected = target * n
+        keep = expected > 0
+        chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+        assert counts[~keep].sum() == 0
+        assert chi2 < 24.3, (chi2, counts, expected)  # chi-square, 7 degrees of freedom, p = 0.001
+        assert abs((first == draft).mean() - target[draft]) < 4 * np.sqrt(target[draft] / n)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+VOCAB = 320
+ARGS: dict[str, Any] = dict(warmup=False, log_stats_interval=0, compilation_cache_dir="", max_model_len=256,
+                            kv_cache_memory_bytes=8 * 2**20, compile_in_background=False)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-spec")
+    make_tiny_llama(directory, seed=3, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=512)
+    return directory
+
+
+class OracleProposer:
+    """Proposes the continuation plain decoding gave (`answers`: prompt + output), right for the
+    first `right` tokens of every proposal and wrong after: every accept and reject path runs."""
+
+    def __init__(self, answers: list[list[int]], right: int) -> None:
+        self.answers = answers
+        self.right = right
+        self.calls = 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        self.calls += 1
+        for answer in self.answers:
+            if answer[:len(tokens)] == tokens:
+                nxt = answer[len(tokens):len(tokens) + k]
+                return [t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(nxt)]
+        return []
+
+
+PROMPTS = [list(range(40, 70)) + list(range(40, 50)), [7, 8, 9] * 6, list(range(100, 112)),
+           list(range(200, 260))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir: Path) -> dict[str, list]:
+    engine = Engine(str(tiny_dir), **ARGS)
+    return {name: engine.generate(PROMPTS, params, use_tqdm=False) for name, params in
+            (("greedy", GREEDY), ("sampled", SAMPLED))}
+
+
+# Block size 8 runs in a pool too small for the batch: requests are preempted and recomputed
+# mid-speculation.
+SMALL_POOL = dict(kv_cache_memory_bytes=None, num_gpu_blocks_override=14, max_model_len=96)
+
+
+@pytest.mark.parametrize("block_size,prefix_caching,right", [(16, True, 2), (8, True, 4), (32, False, 1)])
+def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
+        tiny_dir: Path, plain: dict[str, list], block_size: int, prefix_caching: bool, right: int) -> None:
+    k = 4 if block_size == 8 else 3
+    engine = Engine(str(tiny_dir), speculative_config={"method": "ngram", "num_speculative_tokens": k},
+                    block_size=block_size, enable_prefix_caching=prefix_caching,
+                    **({**ARGS, **SMALL_POOL} if block_size == 8 else ARGS))
+    core = engine.parts.core
+    for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        expected = plain[name]
+        core._proposer = OracleProposer([p + o.outputs[0].token_ids for p, o in zip(PROMPTS, expected)], right)
+        # A penalised request (proposes nothing) runs in the same batch.
+        penalised = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+        outs = engine.generate(PROMPTS + [PROMPTS[0]], [params] * len(PROMPTS) + [penalised], use_tqdm=False)
+        for out, want in zip(outs, expected):
+            assert out.outputs[0].token_ids == want.outputs[0].token_ids
+            if name == "sampled":
+                got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+                ref = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+                np.testing.assert_allclose(got, ref, atol=1e-4)
+    stats = core.spec_stats
+    assert stats.num_accepted_tokens >= min(right, k) * stats.num_drafts // 2 > 0
+    if right < k:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections happened too
+    if block_size == 8:
+        assert core.stats.preemptions > 0
+        # Stop token ids and max_tokens that fall inside an accepted run cut exactly where plain
+        # decoding stops.
+        answer = plain["greedy"][2].outputs[0].token_ids
+        stop_at = next(i for i in range(6, 24) if answer[i] not in answer[:i])
+        stopped = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                               stop_token_ids=[answer[stop_at]]), use_tqdm=False)[0]
+        assert stopped.outputs[0].token_ids == answer[:stop_at + 1] and stopped.outputs[0].finish_reason == "stop"
+        short = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+                                use_tqdm=False)[0]
+        assert short.outputs[0].token_ids == answer[:7] and short.outputs[0].finish_reason == "length"
+    assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
