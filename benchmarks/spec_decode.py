@@ -49,8 +49,8 @@ def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:  # noqa: ANN00
         texts = [f"Repeat the following passage word for word, fixing any typos:\n\n{p}" for p in passages(n)]
     else:
         texts = OPEN_PROMPTS[:n]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                          tokenize=True) for t in texts]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                           tokenize=False), add_special_tokens=False) for t in texts]
 
 
 def run(engine, batch: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], list[float]]:  # noqa: ANN001

@@ -158,9 +158,9 @@ def test_speculative_decoding_gives_transformers_tokens(hf, hf_greedy) -> None:
                     kv_cache_memory_bytes=64 * 2**20, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly "
                "quick daft zebras jump. The five boxing wizards jump quickly.")
-    grounded = engine.tokenizer.apply_chat_template(
+    grounded = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Repeat this text exactly: {passage}"}], add_generation_prompt=True,
-        tokenize=True)
+        tokenize=False), add_special_tokens=False)
     eos = engine.model_config.eos_token_ids
     with torch.no_grad():
         grounded_ref = hf_model.generate(torch.tensor([grounded]), attention_mask=torch.ones(1, len(grounded),
