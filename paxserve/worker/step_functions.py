@@ -211,8 +211,10 @@ class StepShapes:
         vocab = self.cfg.vocab_size
         if kind in FORWARD_KINDS:
             t, s, b = sizes
+            # The all-positions program takes one logits index per sequence (it makes its own for every
+            # position); a verifying one takes 1 + k per sequence.
             rows = t if kind == "all_logits" else s * self.verify_width if kind == "verify" else s
-            args = self.forward_args(t, s, b, rows)
+            args = self.forward_args(t, s, b, rows if kind == "verify" else None)
             fn = jitted_all_logits if kind == "all_logits" else jitted_logits
             out = (_shape((rows, vocab), jnp.float32, self._replicated), args[1])
             return (lambda: fn(self.architecture.forward).lower(*args, **self.statics(kind))), args, out
