@@ -67,6 +67,7 @@ class Request:
     # by the engine core before scheduling; the schedule takes them, as many as its budget allows).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_backoff: Any = None  # its paxserve.spec_decode.acceptance.DraftBackoff, once it proposed
+    spec_prompt: Any = None  # its prompt as a numpy array, made once for the proposer's lookups
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids and self.max_tokens >= 1, "the input processor checked both"

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from paxserve.core.interface import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
 from paxserve.core.kv_cache_manager import KVCacheManager
 from paxserve.core.prompt_logprobs import (
@@ -208,8 +210,10 @@ class EngineCore:
                 continue
             if r.spec_backoff is None:
                 r.spec_backoff = DraftBackoff()
+                r.spec_prompt = np.asarray(r.prompt_token_ids, np.int32)
             if r.spec_backoff.allows():
-                r.spec_token_ids = self._proposer.propose(r.all_token_ids, room)
+                tokens = np.concatenate([r.spec_prompt, np.asarray(r.output_token_ids, np.int32)])
+                r.spec_token_ids = self._proposer.propose(tokens, room)
 
     def _take_in_flight(self) -> _Flight:
         flight, self._in_flight = self._in_flight, None
@@ -256,7 +260,7 @@ class EngineCore:
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)
-        row_tokens = sampled.row_tokens if sampled.row_tokens is not None else [[t] for t in sampled.token_ids]
+        row_tokens = sampled.row_tokens
         before = [0 if r is None else r.num_output_tokens for r in requests]
         finished_now = {r.request_id for r in self.scheduler.update_from_output(out, row_tokens, requests)}
         outputs = []

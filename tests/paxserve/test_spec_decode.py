@@ -190,8 +190,9 @@ class OracleProposer:
         self.right = right
         self.calls = 0
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         self.calls += 1
+        tokens = tokens.tolist()
         for answer in self.answers:
             if answer[:len(tokens)] == tokens:
                 nxt = answer[len(tokens):len(tokens) + k]
