@@ -163,7 +163,7 @@ class Scheduler:
             else:
                 out.scheduled.append(self._scheduled(request, num_new,
                                                      self.kv.block_ids(request.request_id, num_blocks_before),
-                                                     spec[:max(0, num_new - 1)] if spec else []))
+                                                     spec[:num_new - lacking]))
                 budget -= num_new
                 i += 1
                 continue

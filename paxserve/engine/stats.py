@@ -44,8 +44,8 @@ class StatsLogger:
             100 * prefix.hit_rate, self.preemptions,
         )
         self._last_time, self._last_prompt, self._last_generation = now, self.prompt_tokens, self.generation_tokens
-        spec = getattr(engine, "spec_stats", None)
-        if spec is not None and spec.num_drafts > self._last_drafts:
+        spec = engine.spec_stats
+        if spec.num_drafts > self._last_drafts:
             drafts = spec.num_drafts - self._last_drafts
             proposed = spec.num_draft_tokens - self._last_draft_tokens
             accepted = spec.num_accepted_tokens - self._last_accepted

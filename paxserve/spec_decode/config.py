@@ -48,8 +48,8 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
-        """From `Engine(speculative_config=...)` or the CLI's JSON text. vLLM's n-gram defaults:
-        when only one of the lookup bounds is given, the other follows it."""
+        """From `Engine(speculative_config=...)` or the CLI's JSON text. A missing prompt_lookup_min
+        is 1; a missing prompt_lookup_max is 5, or prompt_lookup_min when that is larger."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -69,11 +69,8 @@ class SpeculativeConfig:
                 raise _bad("method", None, f"is required (one of {', '.join(METHODS)}), or a draft 'model'")
         if "num_speculative_tokens" not in value:
             raise _bad("num_speculative_tokens", None, f"is required: an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
-        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-        if lo is None and hi is None:
-            lo, hi = 1, 5
-        elif lo is None:
-            lo = hi if isinstance(hi, int) and hi < 1 else 1
-        elif hi is None:
+        lo = 1 if value.get("prompt_lookup_min") is None else value["prompt_lookup_min"]
+        hi = value.get("prompt_lookup_max")
+        if hi is None:
             hi = max(lo, 5) if isinstance(lo, int) else lo
         return cls(method, value["num_speculative_tokens"], lo, hi)

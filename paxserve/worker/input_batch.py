@@ -14,12 +14,13 @@ Pure Python + numpy (no JAX).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Callable
 
 import numpy as np
 
 from paxserve.core.scheduler import NewRequestData, ScheduledRequest
-from paxserve.worker.sampling.host_inputs import SamplingColumns, SamplingInputs, SamplingRow, needs_state
+from paxserve.worker.sampling.host_inputs import NO_DRAFT, SamplingColumns, SamplingInputs, SamplingRow, needs_state
 from paxserve.worker.step_inputs import Batch, assemble_batch
 
 # (tokens, sequences, widest block table) -> their padded sizes: the model runner's buckets.
@@ -155,16 +156,10 @@ class InputBatch:
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
         token_ids = self.token_ids
         verifying = any(s.spec_token_ids for s in scheduled)
-        if verifying:
-            # A row's proposals follow its own tokens (they are not in its token ids: most get rejected).
-            input_ids = np.fromiter((t for s, r in zip(scheduled, rows) for t in (
-                token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)]
-                + s.spec_token_ids)), np.int32, int(num_new.sum()))
-        else:
-            input_ids = np.fromiter(
-                (t for s, r in zip(scheduled, rows)
-                 for t in token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
-                np.int32, int(num_new.sum()))
+        # A row's proposals follow its own tokens (they are not in its token ids: most get rejected).
+        input_ids = np.fromiter((t for s, r in zip(scheduled, rows) for t in chain(
+            token_ids[r][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)],
+            s.spec_token_ids)), np.int32, int(num_new.sum()))
         pending = input_ids == PLACEHOLDER
         source = None
         if pending.any():
@@ -205,7 +200,7 @@ class InputBatch:
         s_pad = batch.context_lens.shape[0]
         num_drafts = np.zeros(s_pad, np.int32)
         num_drafts[:n] = [len(d) for d in drafts]
-        draft_grid = np.full((s_pad, width), -1, np.int32)
+        draft_grid = np.full((s_pad, width), NO_DRAFT, np.int32)
         for i, draft in enumerate(drafts):
             draft_grid[i, :len(draft)] = draft
         position = np.arange(width, dtype=np.int32)[None, :]

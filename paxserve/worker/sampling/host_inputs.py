@@ -36,6 +36,8 @@ GREEDY_TEMPERATURE = 1e-5
 # Columns of the sampler's packed output: the token id, its logprob, MAX_LOGPROBS top ids and their
 # logprobs. Fixed, so asking for logprobs compiles nothing.
 PACKED_WIDTH = 2 + 2 * MAX_LOGPROBS
+# A verifying step's draft grid where a sequence proposed nothing: never equal to a sample.
+NO_DRAFT = -1
 
 
 @dataclass(slots=True)
@@ -89,7 +91,7 @@ class SamplingInputs:
     num_rows: int  # real (unpadded) rows; host only
     vocab_size: int  # host only: the bitmask's width when it is None
     # A verifying step (speculative decoding): i32 [S / L, L], each sequence's proposals in the order
-    # its rows' samples are compared with them (-1: none); the rows above are then L per sequence.
+    # its rows' samples are compared with them (NO_DRAFT: none); the rows above are then L per sequence.
     draft_tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from paxserve.worker.sampling.host_inputs import NO_DRAFT
 from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata, sample_tokens
 
-NO_DRAFT = -1  # no proposal at this position: nothing to compare, the sequence stops there
+__all__ = ["NO_DRAFT", "accepted_counts", "verify"]
 
 
 def accepted_counts(tokens: Int[Array, "S L"], drafts: Int[Array, "S L"]) -> Int[Array, " S"]:
