@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--workloads", nargs="+", default=["grounded", "open-ended"],
+                        choices=["grounded", "open-ended"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from paxserve import Engine
@@ -94,7 +96,7 @@ def main() -> None:
     tokenizer = engines["off"].tokenizer
     print(f"{'workload':10} {'batch':>5} {'setting':>10} {'tok/s':>8} {'x off':>6} {'accept len':>10} "
           f"{'ms/tok p50':>10} {'p99':>7} {'same tokens':>11}")
-    for workload in ("grounded", "open-ended"):
+    for workload in args.workloads:
         for n in args.batches:
             batch = prompts(tokenizer, workload, n)
             reference = None

@@ -309,7 +309,7 @@ class EngineCore:
         """`num_new`: the tokens the step added to the request (several when it verified proposals)."""
         logprobs = None
         if request.sampling_params.logprobs is not None and sampled.sampled_logprobs is not None:
-            first = row * sampled.width
+            first = sampled.first_row(row)
             logprobs = [SampledLogprobs(float(sampled.sampled_logprobs[i]), sampled.top_token_ids[i],
                                         sampled.top_logprobs[i]) for i in range(first, first + num_new)]
             logprobs = logprobs[0] if num_new == 1 else logprobs

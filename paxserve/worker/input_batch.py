@@ -42,10 +42,11 @@ class PreparedStep:
     # the step's token must not land there.
     token_lists: list[list[int]]
     token_index: list[int]  # where the row's sampled token goes in its token ids (-1: not kept)
-    # A verifying step: each row's proposals (fed after its last token), and the logits rows each
-    # sequence has (1 + k); a plain step has one row per sequence and no proposals.
+    # A verifying step: each row's proposals (fed after its last token), and where each row's
+    # sampler rows start (1 + its proposals of them, one row after another); a plain step has one
+    # sampler row per step row and no proposals.
     drafts: list[list[int]] | None = None
-    width: int = 1
+    first_rows: list[int] | None = None
 
     def row_tokens(self, token_ids: list[int]) -> list[list[int]]:
         """Each row's kept tokens from the sampler's rows: its one token, or when it verified
@@ -54,8 +55,8 @@ class PreparedStep:
         if self.drafts is None:
             return [[t] for t in token_ids[:len(self.rows)]]
         out = []
-        for i, draft in enumerate(self.drafts):
-            samples = token_ids[i * self.width:(i + 1) * self.width]
+        for first, draft in zip(self.first_rows, self.drafts):
+            samples = token_ids[first:first + len(draft) + 1]
             m = 0
             while m < len(draft) and samples[m] == draft[m]:
                 m += 1
@@ -176,10 +177,10 @@ class InputBatch:
         keep_padded = np.zeros(s_pad, bool)
         keep_padded[:n] = keep
         step = self.num_tokens[index] - self.num_prompt_tokens[index]
-        drafts = None
+        drafts = first_rows = None
         if verifying:
             drafts = [list(s.spec_token_ids) for s in scheduled]
-            sampling = self._verify_inputs(batch, drafts, index, step, keep_padded, n)
+            sampling, first_rows = self._verify_inputs(batch, drafts, index[:n], step[:n], keep_padded[:n])
         else:
             sampling = self.sampling.gather(index, step, keep_padded, n)
         token_index = []
@@ -188,30 +189,35 @@ class InputBatch:
             if kept:
                 token_ids[row].append(PLACEHOLDER)
                 self.num_tokens[row] += 1
-        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], token_index, drafts,
-                            self.verify_width if verifying else 1)
+        return PreparedStep(batch, sampling, rows, [token_ids[row] for row in rows], token_index, drafts, first_rows)
 
     def _verify_inputs(self, batch: Batch, drafts: list[list[int]], index: np.ndarray, step: np.ndarray,
-                       keep: np.ndarray, n: int) -> SamplingInputs:
-        """A verifying step's sampler inputs: L = 1 + k rows per sequence, row j at the position after
-        its j-th fed token (its last real token, then its proposals; rows past its proposals repeat
-        the last one and keep nothing). The batch's logits indices become those L per sequence."""
-        width = self.verify_width
-        s_pad = batch.context_lens.shape[0]
-        num_drafts = np.zeros(s_pad, np.int32)
-        num_drafts[:n] = [len(d) for d in drafts]
-        draft_grid = np.full((s_pad, width), NO_DRAFT, np.int32)
-        for i, draft in enumerate(drafts):
-            draft_grid[i, :len(draft)] = draft
-        position = np.arange(width, dtype=np.int32)[None, :]
+                       keep: np.ndarray) -> tuple[SamplingInputs, list[int]]:
+        """A verifying step's sampler inputs and each sequence's first sampler row: a sequence with d
+        proposals has 1 + d rows, row j at the position after its j-th fed token (its last real token,
+        then its proposals), one sequence after another. The rows are padded to min(tokens, sequences
+        x (1 + k)), the bucket's (never fewer than the rows: each row is a fed token). The batch's
+        logits indices become those rows'."""
+        s_pad, t_pad = batch.context_lens.shape[0], batch.input_ids.shape[0]
+        num_rows = min(t_pad, s_pad * self.verify_width)
+        num_drafts = np.fromiter(map(len, drafts), np.int32, len(drafts))
+        starts = np.concatenate([[0], np.cumsum(1 + num_drafts)]).astype(np.int32)
+        real = int(starts[-1])
+        seq = np.repeat(np.arange(len(drafts)), 1 + num_drafts)
+        position = np.arange(real, dtype=np.int32) - starts[seq]
+        logits_indices = np.zeros(num_rows, np.int32)
         # The sequence's last real token's row: its logits index minus its proposals.
-        first = (batch.logits_indices - num_drafts)[:, None]
-        batch.logits_indices = (first + np.minimum(position, num_drafts[:, None])).reshape(-1).astype(np.int32)
+        logits_indices[:real] = batch.logits_indices[seq] - num_drafts[seq] + position
+        batch.logits_indices = logits_indices
         batch.program = "verify"
-        sampling = self.sampling.gather(np.repeat(index, width), (step[:, None] + position).reshape(-1),
-                                        np.repeat(keep, width), n * width)
-        sampling.draft_tokens = draft_grid
-        return sampling
+        draft_rows = np.full(num_rows, NO_DRAFT, np.int32)
+        proposed = position < num_drafts[seq]
+        draft_rows[:real][proposed] = [t for d in drafts for t in d]
+        rows, steps, keeps = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32), np.zeros(num_rows, bool)
+        rows[:real], steps[:real], keeps[:real] = index[seq], step[seq] + position, keep[seq]
+        sampling = self.sampling.gather(rows, steps, keeps, real)
+        sampling.draft_tokens = draft_rows
+        return sampling, starts[:-1].tolist()
 
     def record(self, step: PreparedStep, sampled: list[list[int]] | list[int]) -> None:
         """Put each kept row's sampled tokens in place of its placeholder (rows whose request has

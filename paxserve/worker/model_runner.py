@@ -358,11 +358,11 @@ class ModelRunner:
         if prompt is None:
             step.batch.program = chosen[-1][0]
         if constrained is not None:
-            # A verifying step's sequence i has rows i * width ...: only its first samples a
-            # constrained row's token (constrained rows propose nothing).
-            width = step.width
-            constrained = ConstrainedRows(constrained.rows * width, constrained.words) if width > 1 else constrained
-            step.sampling.allowed_token_bitmask = constrained.bitmask(step.batch.context_lens.shape[0] * width)
+            # A verifying step's sequence has its own first sampler row: a constrained row proposes
+            # nothing, so that one row samples its token.
+            if step.first_rows is not None:
+                constrained = ConstrainedRows(np.asarray(step.first_rows, np.int32)[constrained.rows], constrained.words)
+            step.sampling.allowed_token_bitmask = constrained.bitmask(step.sampling.temperature.shape[0])
         if prompt is not None:
             prompt = prompt.padded(step.batch.input_ids.shape[0])
         return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt))
@@ -372,7 +372,7 @@ class ModelRunner:
         them (with the prompt-logprob rows of a prompt-logprobs step)."""
         sampled, prompt_rows = self.collect(step.device)
         sampled.row_tokens = step.prepared.row_tokens(sampled.token_ids)
-        sampled.width = step.prepared.width
+        sampled.first_rows = step.prepared.first_rows
         self.input_batch.record(step.prepared, sampled.row_tokens)
         return sampled, prompt_rows
 
@@ -416,11 +416,11 @@ class ModelRunner:
         self.tokens_run += t
         self.tokens_real += batch.num_tokens
         if sampling.draft_tokens is not None:
-            width = sampling.draft_tokens.shape[1]
+            n = sampling.draft_tokens.shape[0]
             logits, self.kv_cache = self._run(("verify", t, s, b), *self.forward_args(batch))
-            packed, self.sampler_state = self._run(("verify_sample", s), logits, self._sampling_metadata(sampling),
+            packed, self.sampler_state = self._run(("verify_sample", n), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state, jnp.asarray(sampling.draft_tokens))
-            return DeviceStep(packed, batch.num_seqs * width, s * width, None)
+            return DeviceStep(packed, sampling.num_rows, n, None)
         if prompt is None:
             logits, self.kv_cache = self._run((batch.program, t, s, b), *self.forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),

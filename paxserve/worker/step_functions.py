@@ -144,6 +144,11 @@ class StepShapes:
     def verify_width(self) -> int:
         return 1 + self.num_spec_tokens
 
+    def verify_rows(self, t: int, s: int) -> int:
+        """A verifying program's logits rows for t tokens of s sequences: every fed token may be a
+        row, and no sequence has more than 1 + k (`InputBatch` pads to the same number)."""
+        return min(t, s * self.verify_width)
+
     @property
     def _replicated(self) -> Any:
         return None if self.tp is None else self.tp.replicated
@@ -212,8 +217,8 @@ class StepShapes:
         if kind in FORWARD_KINDS:
             t, s, b = sizes
             # The all-positions program takes one logits index per sequence (it makes its own for every
-            # position); a verifying one takes 1 + k per sequence.
-            rows = t if kind == "all_logits" else s * self.verify_width if kind == "verify" else s
+            # position); a verifying one takes its sequences' rows (1 + their proposals each), padded.
+            rows = t if kind == "all_logits" else self.verify_rows(t, s) if kind == "verify" else s
             args = self.forward_args(t, s, b, rows if kind == "verify" else None)
             fn = jitted_all_logits if kind == "all_logits" else jitted_logits
             out = (_shape((rows, vocab), jnp.float32, self._replicated), args[1])
@@ -224,10 +229,9 @@ class StepShapes:
             out = (_shape((s, PACKED_WIDTH), jnp.float32), args[2])
             return (lambda: sample_step.lower(*args)), args, out
         if kind == "verify_sample":
-            (s,) = sizes
-            n = s * self.verify_width
+            (n,) = sizes
             args = (_shape((n, vocab), jnp.float32, self._replicated), self.sampling(n), self.sampler_state(),
-                    _shape((s, self.verify_width), jnp.int32))
+                    _shape((n,), jnp.int32))
             out = (_shape((n, PACKED_WIDTH), jnp.float32), args[2])
             return (lambda: verify_step.lower(*args)), args, out
         if kind == "score":

@@ -151,8 +151,9 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
                 for i in range(n) for _ in range(2)]
         inputs = build_sampling_inputs(rows, 2 * n, vocab)
         inputs.step[1::2] += 1  # a sequence's second row samples the position after
+        inputs.batch_row[1::2] = inputs.batch_row[0::2]  # both rows are one sequence's
         md = SamplingMetadata.from_inputs(inputs)
-        drafts = jnp.asarray(np.tile(np.array([[draft, -1]], np.int32), (n, 1)))
+        drafts = jnp.asarray(np.tile(np.array([draft, -1], np.int32), n))
         packed, _ = jax.jit(verify)(jnp.tile(jnp.asarray(logits)[None], (2 * n, 1)), md,
                                     SamplerState.zeros(2 * n + 1, vocab), drafts)
         first = np.asarray(packed[0::2, 0]).astype(int)

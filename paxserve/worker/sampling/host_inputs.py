@@ -90,8 +90,8 @@ class SamplingInputs:
     allowed_token_bitmask: np.ndarray | None
     num_rows: int  # real (unpadded) rows; host only
     vocab_size: int  # host only: the bitmask's width when it is None
-    # A verifying step (speculative decoding): i32 [S / L, L], each sequence's proposals in the order
-    # its rows' samples are compared with them (NO_DRAFT: none); the rows above are then L per sequence.
+    # A verifying step (speculative decoding): i32 [S], the proposal each row's sample is compared
+    # with (NO_DRAFT: none, a sequence's last row); a sequence's rows are consecutive, 1 + d of them.
     draft_tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -166,9 +166,12 @@ class SampledTokens:
     top_logprobs: np.ndarray  # f32 [N, MAX_LOGPROBS]
     # Each step row's kept tokens (set by the model runner): its one token, or after verifying
     # proposals the accepted ones and the token after them. Token t of row i is sampler row
-    # i * width + t.
+    # first_rows[i] + t (row i + t when the step verified nothing).
     row_tokens: list[list[int]] | None = None
-    width: int = 1
+    first_rows: list[int] | None = None
+
+    def first_row(self, row: int) -> int:
+        return row if self.first_rows is None else self.first_rows[row]
 
 
 def bitmask_width(vocab_size: int) -> int:
