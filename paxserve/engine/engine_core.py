@@ -14,9 +14,8 @@ one is made and every other running request is recomputed from its tokens.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from paxserve.core.interface import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
 from paxserve.core.kv_cache_manager import KVCacheManager
@@ -29,9 +28,9 @@ from paxserve.core.prompt_logprobs import (
 from paxserve.core.request import Request, RequestStatus
 from paxserve.core.scheduler import Scheduler, SchedulerOutput
 from paxserve.engine.stats import StatsLogger
-from paxserve.spec_decode.acceptance import DraftBackoff, SpecDecodingStats
+from paxserve.spec_decode.acceptance import SpecDecodingStats
 from paxserve.spec_decode.config import SpeculativeConfig
-from paxserve.spec_decode.ngram import NgramProposer
+from paxserve.spec_decode.speculator import Speculator
 from paxserve.worker.model_runner import ModelRunner, ModelStep
 from paxserve.worker.sampling.host_inputs import SampledTokens, constrained_rows
 
@@ -50,6 +49,7 @@ class _Flight:
     num_prompt_tokens: int
     num_preempted: int = 0
     abandoned: bool = False  # undone because the step before it failed
+    started: float = 0.0  # when its dispatch began
 
 
 STEP_FAILED_MESSAGE = ("The engine step that was serving this request failed; the server is still running and "
@@ -83,7 +83,7 @@ class EngineCore:
         self._in_flight: _Flight | None = None
         self.speculative = speculative
         self.spec_stats = SpecDecodingStats()
-        self._proposer = None
+        self._speculator = None
         if speculative is not None:
             if async_scheduling:
                 raise ValueError("speculative decoding runs each step to the end before the next (how many "
@@ -92,7 +92,8 @@ class EngineCore:
                 raise ValueError(f"the model runner verifies {runner.input_batch.verify_width - 1} proposed tokens, "
                                  f"the speculative config proposes {speculative.num_speculative_tokens}: build "
                                  "both from the same config")
-            self._proposer = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+            self._speculator = Speculator(speculative, self._step_program)
+            self.spec_stats = self._speculator.stats
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -170,8 +171,8 @@ class EngineCore:
         are taken in while it runs, so the host's scheduling and bookkeeping hide under device work;
         the outputs returned are then the previous step's. A row whose request finished (or was
         aborted) meanwhile drops its token, so nothing is ever emitted past a stop."""
-        if self._proposer is not None:
-            self._propose()
+        if self._speculator is not None:
+            self._speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.last_num_scheduled = len(out.scheduled)
         outputs: list[SampleOutput] = []
@@ -195,25 +196,10 @@ class EngineCore:
         self._in_flight = None if flight is None or flight.abandoned else flight
         return outputs
 
-    def _propose(self) -> None:
-        """Proposals for the running requests that decode next (one token lacking, nothing in
-        flight) and whose sampling the verification reproduces exactly; the schedule takes them."""
-        k = self.speculative.num_speculative_tokens
-        for r in self.scheduler.running:
-            r.spec_token_ids = []
-            if (r.paused or r.matcher is not None or r.sampling_params.uses_penalties or r.num_output_placeholders
-                    or r.num_computed_tokens != r.num_tokens - 1):
-                continue
-            # Never past max_tokens: the token after the proposals is always kept too.
-            room = min(k, r.max_tokens - r.num_output_tokens - 1)
-            if room < 1:
-                continue
-            if r.spec_backoff is None:
-                r.spec_backoff = DraftBackoff()
-                r.spec_prompt = np.asarray(r.prompt_token_ids, np.int32)
-            if r.spec_backoff.allows():
-                tokens = np.concatenate([r.spec_prompt, np.asarray(r.output_token_ids, np.int32)])
-                r.spec_token_ids = self._proposer.propose(tokens, room)
+    def _step_program(self, num_tokens: int, num_seqs: int, verifying: bool) -> tuple[str, int, int]:
+        """The program (kind, tokens, sequences) a step of decoding rows runs, as `_complete` times it."""
+        t, s, _ = self.runner.exact_buckets(num_tokens, num_seqs, 1)
+        return ("verify" if verifying else self.runner.decode_kind, t, s)
 
     def _take_in_flight(self) -> _Flight:
         flight, self._in_flight = self._in_flight, None
@@ -229,9 +215,11 @@ class EngineCore:
         return False
 
     def _dispatch(self, out: SchedulerOutput) -> _Flight:
+        started = time.perf_counter()
         requests = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
         # A matcher constrains its row only where the step samples a token that is kept.
-        constrained = constrained_rows([(i, r.matcher) for i, (s, r) in enumerate(zip(out.scheduled, requests))
+        constrained = constrained_rows([(i, r.matcher, s.spec_token_ids)
+                                        for i, (s, r) in enumerate(zip(out.scheduled, requests))
                                         if s.samples and r is not None and r.matcher is not None
                                         and not r.matcher.is_stopped()], self.vocab_size)
         buffers = [None if r is None else r.prompt_logprobs for r in requests]
@@ -245,7 +233,8 @@ class EngineCore:
                                 if s.num_new_tokens - len(s.spec_token_ids) > 1
                                 or (r is not None and r.num_output_tokens == 0))
         step = self.runner.dispatch_model(out, constrained, prompt)  # nobody scores prompts: the plain program
-        return _Flight(out, requests, step, self.kv.take_registered(), buffers, prompt, num_prompt_tokens)
+        return _Flight(out, requests, step, self.kv.take_registered(), buffers, prompt, num_prompt_tokens,
+                       started=started)
 
     def _complete(self, flight: _Flight, successor: _Flight | None = None) -> list[SampleOutput]:
         """Take in a dispatched step's results. If they cannot be had, its requests fail, and a
@@ -257,6 +246,8 @@ class EngineCore:
             if successor is not None:
                 self._abandon(successor)
             return self._fail_step(out, flight.registered, e, self._live(flight))
+        if self._speculator is not None:  # steps run one at a time: this was the step's whole time
+            self._speculator.record_step(flight.step.program[:3], time.perf_counter() - flight.started)
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)
@@ -267,10 +258,7 @@ class EngineCore:
         num_generated = 0
         for row, (s, request) in enumerate(zip(out.scheduled, requests)):
             if s.spec_token_ids:
-                accepted = len(row_tokens[row]) - 1
-                self.spec_stats.record(len(s.spec_token_ids), accepted)
-                if request is not None and request.spec_backoff is not None:
-                    request.spec_backoff.record(len(s.spec_token_ids), accepted)
+                self._speculator.record_verified(request, len(s.spec_token_ids), len(row_tokens[row]) - 1)
             if s.samples and request is not None:
                 num_new = request.num_output_tokens - before[row]
                 num_generated += num_new

@@ -35,22 +35,53 @@ class SpecDecodingStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-# A request whose recent drafts accept at most this fraction of their tokens stops proposing for
-# a while: a rejected token cost a verified position (a logits row, KV written for nothing).
+# A request whose proposals are accepted at most this often per position stops proposing for a
+# while: a rejected token cost a verified position (a logits row, KV written for nothing).
 _LOW_ACCEPTANCE = 0.25
-_DECAY = 0.5  # weight of the older drafts in the running acceptance rate
+_DECAY = 0.5  # weight of the older drafts in a request's running acceptance rate
+_SKIP_DECAY = 0.95  # per step without verification: the rate drifts back to the prior
+_ENGINE_DECAY = 0.98  # weight of the older drafts in the engine-wide rate (the requests' prior)
 _FIRST_PAUSE = 4  # steps without proposals after the first low stretch; doubles up to _MAX_PAUSE
 _MAX_PAUSE = 64
 
 
+def _accepted_and_tried(num_proposed: int, num_accepted: int) -> tuple[int, int]:
+    """Positions after the first rejection were never tried."""
+    return num_accepted, num_accepted + (num_accepted < num_proposed)
+
+
+@dataclass(slots=True)
+class AcceptanceRate:
+    """The engine's running chance that a proposed token is accepted, given the ones before it were:
+    what a request that has not proposed yet is expected to do (an even chance before any draft)."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 0.5) / (self.tried + 1.0)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        accepted, tried = _accepted_and_tried(num_proposed, num_accepted)
+        self.accepted = _ENGINE_DECAY * self.accepted + accepted
+        self.tried = _ENGINE_DECAY * self.tried + tried
+
+
 @dataclass(slots=True)
 class DraftBackoff:
-    """One request's running acceptance rate; after low acceptance it proposes nothing for a number
-    of steps that doubles while retries keep failing, and resets when a draft does well."""
+    """One request's running chance that a proposed token is accepted, given the ones before it
+    were, with the engine's rate as a prior worth one position. After a low stretch it proposes
+    nothing for a number of steps that doubles while retries keep failing, and resets when a draft
+    is accepted whole."""
 
-    rate: float = 1.0
+    accepted: float = 0.0  # decayed sums over the request's verified drafts
+    tried: float = 0.0
     pause: int = 0  # steps left without proposals
     next_pause: int = _FIRST_PAUSE
+
+    def rate(self, prior: float) -> float:
+        return (self.accepted + prior) / (self.tried + 1.0)
 
     def allows(self) -> bool:
         """Whether this step may propose (counts a paused step down)."""
@@ -59,13 +90,27 @@ class DraftBackoff:
             return False
         return True
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
+    def gains(self, num_proposed: int, prior: float) -> list[float]:
+        """Expected accepted tokens from each of `num_proposed` proposals: the chance that it and
+        every one before it are accepted."""
+        rate = self.rate(prior)
+        return [rate ** (j + 1) for j in range(num_proposed)]
+
+    def skipped(self) -> None:
+        """A step that verified none of this request's proposals (they were not worth their cost):
+        older evidence weighs less, so the request is tried again in time."""
+        self.accepted *= _SKIP_DECAY
+        self.tried *= _SKIP_DECAY
+
+    def record(self, num_proposed: int, num_accepted: int, prior: float) -> None:
         if num_proposed == 0:
             return
-        self.rate = _DECAY * self.rate + (1 - _DECAY) * num_accepted / num_proposed
-        if self.rate <= _LOW_ACCEPTANCE:
+        accepted, tried = _accepted_and_tried(num_proposed, num_accepted)
+        self.accepted = _DECAY * self.accepted + accepted
+        self.tried = _DECAY * self.tried + tried
+        if self.rate(prior) <= _LOW_ACCEPTANCE:
             self.pause = self.next_pause
             self.next_pause = min(2 * self.next_pause, _MAX_PAUSE)
-            self.rate = 2 * _LOW_ACCEPTANCE  # a retry after the pause gets one more chance
+            self.accepted = self.tried = 0.0  # a retry after the pause starts from the prior
         elif num_accepted == num_proposed:
             self.next_pause = _FIRST_PAUSE

@@ -12,7 +12,7 @@ MAX_SPECULATIVE_TOKENS = 16
 METHODS = ("ngram",)
 # Named by vLLM but not built here yet: asking for them is an error that says so.
 PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "suffix", "medusa")
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size"}
 
 
 def _bad(name: str, value: object, allowed: str) -> ValueError:
@@ -29,6 +29,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 5
+    # No proposals while this many requests or more are running (vLLM's name). Without it, how many
+    # proposals a step verifies is weighed against the step times measured (`planner`).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method in PLANNED_METHODS:
@@ -42,6 +45,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _bad(name, value, "must be an integer >= 1")
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise _bad("disable_by_batch_size", b, "must be an integer >= 1 (or absent)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise _bad("prompt_lookup_min", self.prompt_lookup_min,
                        f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
@@ -73,4 +79,4 @@ class SpeculativeConfig:
         hi = value.get("prompt_lookup_max")
         if hi is None:
             hi = max(lo, 5) if isinstance(lo, int) else lo
-        return cls(method, value["num_speculative_tokens"], lo, hi)
+        return cls(method, value["num_speculative_tokens"], lo, hi, value.get("disable_by_batch_size"))

@@ -217,6 +217,11 @@ class InputBatch:
         rows[:real], steps[:real], keeps[:real] = index[seq], step[seq] + position, keep[seq]
         sampling = self.sampling.gather(rows, steps, keeps, real)
         sampling.draft_tokens = draft_rows
+        earlier = np.full((num_rows, self.verify_width - 1), -1, np.int32)
+        for first, draft in zip(starts, drafts):
+            for j in range(1, len(draft) + 1):
+                earlier[first + j, :j] = draft[:j]
+        sampling.earlier_drafts = earlier
         return sampling, starts[:-1].tolist()
 
     def record(self, step: PreparedStep, sampled: list[list[int]] | list[int]) -> None:

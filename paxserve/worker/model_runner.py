@@ -75,6 +75,7 @@ class ModelStep:
 
     prepared: PreparedStep
     device: "DeviceStep"
+    program: tuple = ()  # the model program it runs: (kind, tokens, sequences, block width)
 
 
 @dataclass(slots=True)
@@ -358,14 +359,11 @@ class ModelRunner:
         if prompt is None:
             step.batch.program = chosen[-1][0]
         if constrained is not None:
-            # A verifying step's sequence has its own first sampler row: a constrained row proposes
-            # nothing, so that one row samples its token.
-            if step.first_rows is not None:
-                constrained = ConstrainedRows(np.asarray(step.first_rows, np.int32)[constrained.rows], constrained.words)
-            step.sampling.allowed_token_bitmask = constrained.bitmask(step.sampling.temperature.shape[0])
+            step.sampling.allowed_token_bitmask = constrained.bitmask(step.sampling.temperature.shape[0],
+                                                                      step.first_rows)
         if prompt is not None:
             prompt = prompt.padded(step.batch.input_ids.shape[0])
-        return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt))
+        return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt), chosen[-1])
 
     def complete_model(self, step: ModelStep) -> tuple[SampledTokens, np.ndarray | None]:
         """Wait for a dispatched step, record its kept tokens in the persistent batch and return
@@ -419,7 +417,8 @@ class ModelRunner:
             n = sampling.draft_tokens.shape[0]
             logits, self.kv_cache = self._run(("verify", t, s, b), *self.forward_args(batch))
             packed, self.sampler_state = self._run(("verify_sample", n), logits, self._sampling_metadata(sampling),
-                                                   self.sampler_state, jnp.asarray(sampling.draft_tokens))
+                                                   self.sampler_state, jnp.asarray(sampling.draft_tokens),
+                                                   jnp.asarray(sampling.earlier_drafts))
             return DeviceStep(packed, sampling.num_rows, n, None)
         if prompt is None:
             logits, self.kv_cache = self._run((batch.program, t, s, b), *self.forward_args(batch))

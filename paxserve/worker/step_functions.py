@@ -231,7 +231,7 @@ class StepShapes:
         if kind == "verify_sample":
             (n,) = sizes
             args = (_shape((n, vocab), jnp.float32, self._replicated), self.sampling(n), self.sampler_state(),
-                    _shape((n,), jnp.int32))
+                    _shape((n,), jnp.int32), _shape((n, self.num_spec_tokens), jnp.int32))
             out = (_shape((n, PACKED_WIDTH), jnp.float32), args[2])
             return (lambda: verify_step.lower(*args)), args, out
         if kind == "score":

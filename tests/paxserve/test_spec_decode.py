@@ -14,16 +14,18 @@ import pytest
 
 from paxserve import Engine, SamplingParams
 from paxserve.config import EngineConfig
+from paxserve.sampling_params import StructuredOutputsParams
 from paxserve.core.kv_cache_manager import KVCacheManager
 from paxserve.core.request import Request
 from paxserve.core.scheduler import Scheduler, SchedulerConfig
-from paxserve.spec_decode.acceptance import DraftBackoff, SpecDecodingStats
+from paxserve.spec_decode.acceptance import AcceptanceRate, DraftBackoff, SpecDecodingStats
 from paxserve.spec_decode.config import SpeculativeConfig
 from paxserve.spec_decode.ngram import NgramProposer
+from paxserve.spec_decode.planner import StepTimes, plan_drafts
 from paxserve.worker.sampling.host_inputs import SamplingRow, build_sampling_inputs
 from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata
-from paxserve.worker.sampling.verify import verify
-from tests.helpers import make_tiny_llama
+from paxserve.worker.sampling.verify import kept_rows, verify
+from tests.paxserve.test_engine import VOCAB, tiny_dir  # noqa: F401 - a module fixture: SmolLM2's vocabulary
 
 # ---- configuration ------------------------------------------------------------------------------
 
@@ -64,19 +66,55 @@ def test_ngram_lookup_proposes_what_followed_the_longest_latest_match() -> None:
 
 def test_back_off_pauses_a_request_whose_proposals_fail_and_resumes_it() -> None:
     backoff = DraftBackoff()
-    backoff.record(3, 0)
-    backoff.record(3, 0)
+    backoff.record(3, 0, 0.5)
+    backoff.record(3, 0, 0.5)
     paused = 0
     while not backoff.allows():
         paused += 1
     assert paused >= 4
-    backoff.record(3, 3)
+    backoff.record(3, 3, 0.5)
     assert backoff.allows()
+    engine = AcceptanceRate()
+    assert engine.rate == 0.5
+    engine.record(4, 1)  # the first was accepted, the second rejected, the rest never tried
+    assert engine.rate == 1.5 / 3
     stats = SpecDecodingStats()
     stats.record(3, 2)
     stats.record(2, 0)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_position == [1, 1, 0] and stats.mean_acceptance_length == 2.0
+
+
+def test_the_plan_verifies_what_pays_for_its_share_of_the_step() -> None:
+    likely, unlikely = DraftBackoff(accepted=9.0, tried=10.0), DraftBackoff(accepted=1.0, tried=10.0)
+    gains = [likely.gains(3, 0.5), unlikely.gains(3, 0.5)]
+    assert gains[0][0] > gains[0][1] > gains[0][2] > 0.6 and gains[1][0] < 0.2
+    # Unmeasured steps: every proposal is tried (and then measured).
+    assert plan_drafts(gains, 4, lambda d: None) == [3, 3]
+    # Weight-bound (a GPU's small decode step): rows are free, everything goes in.
+    assert plan_drafts(gains, 4, lambda d: 0.010) == [3, 3]
+    # Compute-bound (this CPU): a token costs 0.4 of a decoding request's share of the step, so only
+    # proposals likelier than that pay; at 1.6 none does.
+    assert plan_drafts(gains, 4, lambda d: 0.006 + 0.001 * (4 + d)) == [3, 0]
+    assert plan_drafts(gains, 4, lambda d: 0.006 + 0.004 * (1 + d)) == [0, 0]
+    # A bucket jump: the first proposal costs the jump, the rest ride along.
+    assert plan_drafts(gains, 4, lambda d: 0.010 if d == 0 else 0.012) == [3, 3]
+    times = StepTimes()
+    times.record("p", 5.0)  # the first step of a program (it may have compiled it) is not counted
+    assert times.get("p") is None
+    for seconds in (0.3, 0.1, 0.2, 9.0, 0.2):
+        times.record("p", seconds)
+    assert times.get("p") == 0.2
+
+
+def test_the_acceptance_rule_runs_over_each_sequences_consecutive_rows() -> None:
+    # Three sequences (batch rows 5, 2, 7) with 2, 0 and 1 proposals, then a padding row.
+    tokens = jnp.array([10, 11, 12, 20, 30, 31, 0])
+    drafts = jnp.array([10, 99, -1, -1, 30, -1, -1])
+    batch_row = jnp.array([5, 5, 5, 2, 7, 7, 0])
+    kept, last = kept_rows(tokens, drafts, batch_row)
+    assert kept.tolist() == [True, True, False, True, True, True, True]
+    assert last.tolist() == [False, True, False, True, False, True, True]
 
 
 # ---- the schedule --------------------------------------------------------------------------------
@@ -155,7 +193,7 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
         md = SamplingMetadata.from_inputs(inputs)
         drafts = jnp.asarray(np.tile(np.array([draft, -1], np.int32), n))
         packed, _ = jax.jit(verify)(jnp.tile(jnp.asarray(logits)[None], (2 * n, 1)), md,
-                                    SamplerState.zeros(2 * n + 1, vocab), drafts)
+                                    SamplerState.zeros(2 * n + 1, vocab), drafts, jnp.full((2 * n, 1), -1))
         first = np.asarray(packed[0::2, 0]).astype(int)
         counts = np.bincount(first, minlength=vocab)
         expected = target * n
@@ -166,20 +204,27 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
         assert abs((first == draft).mean() - target[draft]) < 4 * np.sqrt(target[draft] / n)
 
 
+def test_penalties_at_a_verified_position_count_the_proposals_before_it() -> None:
+    """Token 5 is the best at both positions; proposed at the first, it is penalised at the second
+    (kept only if the first was), so the second samples 6."""
+    vocab = 8
+    logits = jnp.asarray(np.tile(np.array([0, 0, 0, 0, 0, 3.0, 2.0, 0], np.float32), (2, 1)))
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0)
+    inputs = build_sampling_inputs([SamplingRow(params, [1], [], 0, (), state_row=1)] * 2, 2, vocab)
+    inputs.step[1] += 1
+    inputs.batch_row[1] = inputs.batch_row[0]
+    md = SamplingMetadata.from_inputs(inputs)
+    packed, state = jax.jit(verify)(logits, md, SamplerState.zeros(2, vocab), jnp.array([5, -1]),
+                                    jnp.array([[-1], [5]]))
+    assert np.asarray(packed[:, 0]).astype(int).tolist() == [5, 6]
+    assert np.asarray(state.counts[1]).tolist() == [0, 0, 0, 0, 0, 1, 1, 0]
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
-VOCAB = 320
 ARGS: dict[str, Any] = dict(warmup=False, log_stats_interval=0, compilation_cache_dir="", max_model_len=256,
                             kv_cache_memory_bytes=8 * 2**20, compile_in_background=False)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-spec")
-    make_tiny_llama(directory, seed=3, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                    max_position_embeddings=512)
-    return directory
 
 
 class OracleProposer:
@@ -201,17 +246,39 @@ class OracleProposer:
         return []
 
 
+class Unmeasured:
+    """Step times never measured: the plan verifies every proposal."""
+
+    def record(self, program: Any, seconds: float) -> None:
+        pass
+
+    def get(self, program: Any) -> None:
+        return None
+
+
 PROMPTS = [list(range(40, 70)) + list(range(40, 50)), [7, 8, 9] * 6, list(range(100, 112)),
            list(range(200, 260))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True, logprobs=2)
 
 
+# Requests whose sampling needs more than the logits at each verified position: penalties count the
+# proposals before the position, a grammar is advanced through them.
+EXTRA = [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                                     frequency_penalty=0.5, presence_penalty=0.2)),
+         (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(
+             regex=r"[0-9]{3}-[a-z]{2,8}"))),
+         (PROMPTS[3], SamplingParams(temperature=1.0, seed=5, max_tokens=24, structured_outputs=StructuredOutputsParams(
+             regex=r"[a-z]{6,12}-[0-9]{2}")))]
+
+
 @pytest.fixture(scope="module")
-def plain(tiny_dir: Path) -> dict[str, list]:
+def plain(tiny_dir: Path) -> dict[str, list]:  # noqa: F811
     engine = Engine(str(tiny_dir), **ARGS)
-    return {name: engine.generate(PROMPTS, params, use_tqdm=False) for name, params in
-            (("greedy", GREEDY), ("sampled", SAMPLED))}
+    out = {name: engine.generate(PROMPTS, params, use_tqdm=False) for name, params in
+           (("greedy", GREEDY), ("sampled", SAMPLED))}
+    out["extra"] = engine.generate([p for p, _ in EXTRA], [q for _, q in EXTRA], use_tqdm=False)
+    return out
 
 
 # Block size 8 runs in a pool too small for the batch: requests are preempted and recomputed
@@ -221,21 +288,24 @@ SMALL_POOL = dict(kv_cache_memory_bytes=None, num_gpu_blocks_override=14, max_mo
 
 @pytest.mark.parametrize("block_size,prefix_caching,right", [(16, True, 2), (8, True, 4), (32, False, 1)])
 def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
-        tiny_dir: Path, plain: dict[str, list], block_size: int, prefix_caching: bool, right: int) -> None:
+        tiny_dir: Path, plain: dict[str, list], block_size: int, prefix_caching: bool, right: int) -> None:  # noqa: F811
     k = 4 if block_size == 8 else 3
     engine = Engine(str(tiny_dir), speculative_config={"method": "ngram", "num_speculative_tokens": k},
                     block_size=block_size, enable_prefix_caching=prefix_caching,
                     **({**ARGS, **SMALL_POOL} if block_size == 8 else ARGS))
     core = engine.parts.core
+    extra = plain["extra"]
+    assert [o.outputs[0].finish_reason for o in extra[1:]] == ["stop", "stop"]  # the grammars ended them
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        expected = plain[name]
-        core._proposer = OracleProposer([p + o.outputs[0].token_ids for p, o in zip(PROMPTS, expected)], right)
-        # A penalised request (proposes nothing) runs in the same batch.
-        penalised = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
-        outs = engine.generate(PROMPTS + [PROMPTS[0]], [params] * len(PROMPTS) + [penalised], use_tqdm=False)
+        expected = plain[name] + extra
+        prompts = PROMPTS + [p for p, _ in EXTRA]
+        core._speculator.proposer = OracleProposer([p + o.outputs[0].token_ids for p, o in zip(prompts, expected)],
+                                                   right)
+        core._speculator.times = Unmeasured()  # every proposal is verified, whatever this machine's step times
+        outs = engine.generate(prompts, [params] * len(PROMPTS) + [q for _, q in EXTRA], use_tqdm=False)
         for out, want in zip(outs, expected):
             assert out.outputs[0].token_ids == want.outputs[0].token_ids
-            if name == "sampled":
+            if want.outputs[0].logprobs is not None:
                 got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
                 ref = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
                 np.testing.assert_allclose(got, ref, atol=1e-4)

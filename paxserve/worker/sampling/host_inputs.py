@@ -24,7 +24,7 @@ top-k/top-p/min-p, penalties, logit bias, min_tokens, logprobs and structured ou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -93,6 +93,8 @@ class SamplingInputs:
     # A verifying step (speculative decoding): i32 [S], the proposal each row's sample is compared
     # with (NO_DRAFT: none, a sequence's last row); a sequence's rows are consecutive, 1 + d of them.
     draft_tokens: np.ndarray | None = None
+    # i32 [S, k]: the proposals before each row in its sequence (-1 after them), for penalties.
+    earlier_drafts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         s = self.temperature.shape[0]
@@ -127,32 +129,59 @@ class StateWrites:
 @dataclass(slots=True)
 class ConstrainedRows:
     """The structured-output rows of a step, as plain data: their step rows and bitmask words
-    (filled by their matchers on the host); every other row allows every token."""
+    (filled by their matchers on the host); every other row allows every token. In a verifying
+    step a row has one word row per sampled position (`positions`: 0 for its next token, j for the
+    one after its first j proposals)."""
 
     rows: np.ndarray  # i32 [K]
     words: np.ndarray  # i32 [K, ceil(V/32)]
+    positions: np.ndarray | None = None  # i32 [K]; None: all 0
 
     def __post_init__(self) -> None:
         if self.words.ndim != 2 or self.words.shape[0] != self.rows.shape[0]:
             raise ValueError(f"ConstrainedRows: {self.rows.shape[0]} rows but words of shape {self.words.shape}")
 
-    def bitmask(self, num_rows: int) -> np.ndarray:
-        """The step's whole [num_rows, ceil(V/32)] bitmask: these rows' words, all ones elsewhere."""
+    def bitmask(self, num_rows: int, first_rows: list[int] | None = None) -> np.ndarray:
+        """The step's whole [num_rows, ceil(V/32)] bitmask: these rows' words, all ones elsewhere.
+        `first_rows`: a verifying step's first sampler row of each step row."""
         bitmask = np.full((num_rows, self.words.shape[1]), -1, np.int32)
-        bitmask[self.rows] = self.words
+        rows = self.rows if first_rows is None else np.asarray(first_rows, np.int32)[self.rows]
+        if self.positions is not None:
+            rows = rows + self.positions
+        bitmask[rows] = self.words
         return bitmask
 
 
-def constrained_rows(matchers: list[tuple[int, Any]], vocab_size: int) -> ConstrainedRows | None:
-    """Each (step row, llguidance matcher) pair's bitmask words; None when no row is constrained."""
+def constrained_rows(matchers: list[tuple[int, Any, Sequence[int]]], vocab_size: int) -> ConstrainedRows | None:
+    """Each (step row, llguidance matcher, proposals the row verifies) entry's bitmask words: at its
+    next token, then after each proposal (the matcher is advanced through them and rolled back).
+    None when no row is constrained."""
     if not matchers:
         return None
     from llguidance.numpy import fill_next_token_bitmask
 
-    words = np.full((len(matchers), bitmask_width(vocab_size)), -1, np.int32)
-    for i, (_, matcher) in enumerate(matchers):
-        fill_next_token_bitmask(matcher, words, i)
-    return ConstrainedRows(np.array([row for row, _ in matchers], np.int32), words)
+    rows, positions = [], []
+    for row, _, drafts in matchers:
+        rows += [row] * (1 + len(drafts))
+        positions += range(1 + len(drafts))
+    words = np.full((len(rows), bitmask_width(vocab_size)), -1, np.int32)
+    at = 0
+    for _, matcher, drafts in matchers:
+        fill_next_token_bitmask(matcher, words, at)
+        consumed = 0
+        # Proposals were cut to what the grammar accepts; after one that ends it, nothing more
+        # is kept (the request finishes there), so those rows stay all-ones.
+        for j, token in enumerate(drafts):
+            if not matcher.consume_token(token):
+                break
+            consumed += 1
+            if matcher.is_stopped():
+                break
+            fill_next_token_bitmask(matcher, words, at + j + 1)
+        if consumed and not matcher.rollback(consumed):
+            raise RuntimeError(f"structured output: the grammar could not take back {consumed} proposed tokens")
+        at += 1 + len(drafts)
+    return ConstrainedRows(np.array(rows, np.int32), words, np.array(positions, np.int32))
 
 
 @dataclass(slots=True)
@@ -300,7 +329,8 @@ def build_sampling_inputs(rows: list[SamplingRow], num_rows_padded: int, vocab_s
     for i, row in enumerate(rows):
         columns.set_row(i + 1, row.params, row.seed, row.state_row)
         index[i], step[i], keep[i] = i + 1, len(row.output_token_ids), row.keep
-    constrained = constrained_rows([(i, r.matcher) for i, r in enumerate(rows) if r.matcher is not None], vocab_size)
+    constrained = constrained_rows([(i, r.matcher, ()) for i, r in enumerate(rows) if r.matcher is not None],
+                                   vocab_size)
     return columns.gather(index, step, keep, n, None if constrained is None else constrained.bitmask(s))
 
 

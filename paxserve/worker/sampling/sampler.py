@@ -109,11 +109,12 @@ def unpack_bits(words: Int[Array, "S W"], vocab_size: int) -> Bool[Array, "S V"]
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
-def apply_penalties_and_bias(logits: Float[Array, "S V"], md: SamplingMetadata,
-                             state: SamplerState) -> Float[Array, "S V"]:
+def apply_penalties_and_bias(logits: Float[Array, "S V"], md: SamplingMetadata, state: SamplerState,
+                             earlier: Int[Array, "S K"] | None = None) -> Float[Array, "S V"]:
     """The argmax-changing processing of rows with sampler state: bias, min_tokens suppression,
     penalties. Skipped when no row of the step has state; a row without state reads the all-zero
-    row 0 and neutral penalties, which change nothing."""
+    row 0 and neutral penalties, which change nothing. `earlier`: output tokens each row follows
+    that its state has not counted yet (a verifying step's proposals before the row; -1: none)."""
     v = logits.shape[1]
 
     def process(x: Float[Array, "S V"]) -> Float[Array, "S V"]:
@@ -122,6 +123,9 @@ def apply_penalties_and_bias(logits: Float[Array, "S V"], md: SamplingMetadata,
         held = unpack_bits(state.suppress_mask[rows], v) & (md.step < md.min_tokens)[:, None]
         x = jnp.where(held, -jnp.inf, x)
         counts = state.counts[rows]
+        if earlier is not None:
+            at = jnp.arange(x.shape[0])[:, None]
+            counts = counts.at[at, jnp.where(earlier >= 0, earlier, v)].add(1, mode="drop")
         seen = unpack_bits(state.prompt_mask[rows], v) | (counts > 0)
         rep = md.repetition_penalty[:, None]
         x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
@@ -220,12 +224,13 @@ def prompt_logprob_columns(logits: Float[Array, "T V"], targets: Int[Array, " T"
     return jnp.concatenate([actual, rank.astype(jnp.float32), top_ids, top_values], axis=-1)
 
 
-def sample_tokens(logits: Float[Array, "S V"], md: SamplingMetadata,
-                  state: SamplerState) -> tuple[Int[Array, " S"], Float[Array, "S W"]]:
+def sample_tokens(logits: Float[Array, "S V"], md: SamplingMetadata, state: SamplerState,
+                  earlier: Int[Array, "S K"] | None = None) -> tuple[Int[Array, " S"], Float[Array, "S W"]]:
     """Every row's token, and the packed float32 rows `sample` returns (the state is read, not
-    changed: the caller counts what it keeps)."""
+    changed: the caller counts what it keeps). `earlier`: see `apply_penalties_and_bias`."""
     logits = logits.astype(jnp.float32)
-    processed = apply_token_bitmask(apply_penalties_and_bias(logits, md, state), logits, md.allowed_token_bitmask)
+    processed = apply_token_bitmask(apply_penalties_and_bias(logits, md, state, earlier), logits,
+                                    md.allowed_token_bitmask)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda p, g: _draw(p, g, md), lambda p, g: g,
                           processed, greedy)

@@ -44,13 +44,15 @@ def kept_rows(tokens: Int[Array, " N"], drafts: Int[Array, " N"], batch_row: Int
     return kept, kept & (miss == 1)
 
 
-def verify(logits: Float[Array, "N V"], md: SamplingMetadata, state: SamplerState,
-           drafts: Int[Array, " N"]) -> tuple[Float[Array, "N W"], SamplerState]:
+def verify(logits: Float[Array, "N V"], md: SamplingMetadata, state: SamplerState, drafts: Int[Array, " N"],
+           earlier: Int[Array, "N K"]) -> tuple[Float[Array, "N W"], SamplerState]:
     """`logits` and `md` hold the step's N rows (`md.step` already counts each row's position in its
-    sequence in; `drafts[i]` is the proposal row i's sample is compared with). Returns every row
-    packed as `sample` does (the host applies the same acceptance rule to the tokens), and the state
-    with the kept tokens counted and each sequence's last kept token remembered as its next input."""
-    tokens, packed = sample_tokens(logits, md, state)
+    sequence in; `drafts[i]` is the proposal row i's sample is compared with; `earlier[i]` the
+    proposals before row i in its sequence, -1 after them, which penalties count: a row's sample
+    is kept only if they were). Returns every row packed as `sample` does (the host applies the
+    same acceptance rule to the tokens), and the state with the kept tokens counted and each
+    sequence's last kept token remembered as its next input."""
+    tokens, packed = sample_tokens(logits, md, state, earlier)
     kept, last = kept_rows(tokens, drafts, md.batch_row)
     kept, last = kept & md.keep, last & md.keep
     rows = jnp.where((md.state_row > 0) & kept, md.state_row, state.num_rows)  # past the end: dropped

@@ -1,0 +1,64 @@
+"""How many proposed tokens a step verifies. A proposal is worth the tokens it is expected to add
+against what it adds to the step's time, and both are measured: each request's acceptance rate, and
+recent steps' wall times by program. On a GPU a small decode step is bound by reading the weights, so
+verification rows are nearly free and every proposal goes in; on a compute-bound CPU a step's time
+grows with its tokens, and only proposals likely to be accepted pay for themselves."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+# Steps whose times are kept per program: the median of a few ignores a pause (a collection, a
+# neighbour) and follows a machine whose speed changes.
+_WINDOW = 8
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Wall times of recent steps by program. A program's first step is not counted: it may have
+    compiled or loaded the program."""
+
+    _times: dict[Hashable, deque] = field(default_factory=dict)
+
+    def record(self, program: Hashable, seconds: float) -> None:
+        times = self._times.get(program)
+        if times is None:
+            self._times[program] = deque(maxlen=_WINDOW)
+        else:
+            times.append(seconds)
+
+    def get(self, program: Hashable) -> float | None:
+        """The median of the recent times, None before any."""
+        times = self._times.get(program)
+        return statistics.median(times) if times else None
+
+
+def plan_drafts(gains: list[list[float]], num_decoding: int, step_time: Callable[[int], float | None]) -> list[int]:
+    """How many of its proposals each request feeds this step.
+
+    `gains[i][j]`: request i's expected extra tokens from its proposal j (the chance that it and the
+    ones before it are accepted), falling in j. `num_decoding`: the requests that decode this step,
+    proposing or not (each yields one token). `step_time(d)`: the step's time with d proposal tokens
+    in all, None when not measured yet: taken as the time without any, so that proposing is tried
+    and measured. The number of proposal tokens chosen is the one with the most expected tokens per
+    second; they are the ones with the largest gains."""
+    if not gains:
+        return []
+    base = step_time(0)
+    if base is None:
+        return [len(g) for g in gains]
+    ranked = sorted(((gain, i) for i, row in enumerate(gains) for gain in row), key=lambda x: -x[0])
+    best, best_rate, expected = 0, num_decoding / base, float(num_decoding)
+    for d, (gain, _) in enumerate(ranked, 1):
+        expected += gain
+        seconds = step_time(d)
+        rate = expected / (base if seconds is None else seconds)
+        if rate > best_rate:
+            best, best_rate = d, rate
+    counts = [0] * len(gains)
+    for _, i in ranked[:best]:  # a request's gains fall, so its chosen ones are its first
+        counts[i] += 1
+    return counts
