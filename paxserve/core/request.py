@@ -68,6 +68,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_backoff: Any = None  # its paxserve.spec_decode.acceptance.DraftBackoff, once it proposed
     spec_prompt: Any = None  # its prompt as a numpy array, made once for the proposer's lookups
+    spec_draft: Any = None  # its paxserve.spec_decode.draft_model.DraftState: what the draft's cache holds
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids and self.max_tokens >= 1, "the input processor checked both"

@@ -27,6 +27,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Slots beyond the step's tokens that a draft model writes its proposals' pages into (its k).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -116,6 +118,15 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _with_lookahead(self, request: Request, num_new: int, num_hit: int = 0) -> int:
+        """The slots a step of `num_new` tokens allocates: a draft model's lookahead besides (up to
+        max_model_len)."""
+        lookahead = self.config.num_lookahead_tokens
+        if not lookahead:
+            return num_new
+        total = request.num_computed_tokens + num_hit + num_new
+        return num_new + max(0, min(lookahead, self.config.max_model_len - total))
+
     def _newest_paused(self) -> Request | None:
         return next((r for r in reversed(self.running) if r.paused), None)
 
@@ -148,7 +159,7 @@ class Scheduler:
                 i += 1
                 continue
             num_blocks_before = self.kv.num_blocks(request.request_id)
-            while not self.kv.allocate_slots(request, num_new):
+            while not self.kv.allocate_slots(request, self._with_lookahead(request, num_new)):
                 # A paused request makes no progress, so it gives up its blocks first; otherwise
                 # the newest running one does.
                 victim = self._newest_paused() or self.running[-1]
@@ -189,7 +200,7 @@ class Scheduler:
             request = self.waiting[index]
             hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
+            if not self.kv.allocate_slots(request, self._with_lookahead(request, num_new, num_hit), hits):
                 victim = self._newest_paused()
                 if victim is None:
                     break

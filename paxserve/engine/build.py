@@ -37,6 +37,7 @@ from paxserve.models.param_cache import cache_root
 from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, with_matmul_kernel
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, device_share, param_bytes
+from paxserve.spec_decode.draft_model import DraftModel
 from paxserve.worker.memory_plan import DeviceMemory, KVCachePlan, configure_allocator, device_memory, plan_kv_cache
 from paxserve.worker.model_runner import ModelRunner, zero_kv_cache
 from paxserve.worker.sampling.sampler import SamplerState
@@ -129,7 +130,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
         compute_capability=getattr(jax.local_devices()[0], "compute_capability", None), kv_dtype=kv_dtype)
     logger.info("attention: %s (%s)", attention_backend.describe(), attention_backend)
-    plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster, kv_dtype)
+    spec = config.speculative_config
+    draft_info = _inspect_draft(config, info) if spec is not None and spec.method == "draft_model" else None
+    plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster, kv_dtype, draft_info)
     numerics = NumericsPlan.make(config, info, tp, None if kv_dtype == info.dtype else kv_dtype, _device_memory())
     keep_unquantized = numerics.needs_unquantized
     # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU);
@@ -149,14 +152,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         logger.info("%s", defaults_line)
     max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
     kv = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
-    scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, plan.max_model_len), kv)
+    scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, plan.max_model_len,
+                                          num_lookahead_tokens=0 if draft_info is None else
+                                          spec.num_speculative_tokens), kv)
     is_worker = cluster is not None and cluster.rank != 0
-    spec = config.speculative_config
-    if spec is not None:
-        logger.info("speculative decoding: %s proposals of up to %d tokens (n-grams of %d-%d tokens looked up in the "
-                    "prompt and output), verified in the next step with 1 + %d logits rows per sequence",
-                    spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                    spec.num_speculative_tokens)
+    if spec is not None and spec.method == "ngram":
+        logger.info("speculative decoding: n-gram proposals of up to %d tokens (n-grams of %d-%d tokens looked up in "
+                    "the prompt and output), verified in the next step (1 + the proposals' logits rows per "
+                    "sequence), as many as measured step times say pay", spec.num_speculative_tokens,
+                    spec.prompt_lookup_min, spec.prompt_lookup_max)
     runner = ModelRunner(model, plan.num_blocks, config.block_size, plan.max_model_len,
                          attention_backend=attention_backend, max_num_seqs=config.max_num_seqs,
                          program_store=_program_store(config, cluster), background_compile=config.compile_in_background,
@@ -164,10 +168,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          kv_cache_dtype=kv_dtype, kv_scales=kv_scales,
                          plan_sink=channel.send if channel is not None and not is_worker else None,
                          num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
+    draft = None if draft_info is None else _load_draft(config, draft_info, plan, runner, max_num_batched_tokens)
     stats = StatsLogger(config.log_stats_interval)
     core = EngineCore(runner, kv, scheduler, model.config.vocab_size, stats,
                       async_scheduling=_async_scheduling(config), isolate_failed_steps=cluster is None,
-                      speculative=spec)
+                      speculative=spec, draft=draft)
     # Chat templates render in killable processes (started on the first chat request): a template
     # that runs past its limit is stopped whatever it does.
     input_processor = InputProcessor(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
@@ -180,6 +185,44 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.warmup:
         parts.warmup_seconds = _warmup(runner, config.max_num_seqs, max_num_batched_tokens)
     return parts
+
+
+def _inspect_draft(config: EngineConfig, info: ModelInfo) -> ModelInfo:
+    """The draft model's shapes, checked against the target's before anything loads."""
+    spec = config.speculative_config
+    if config.tensor_parallel_size > 1 or config.nnodes > 1:
+        raise ValueError("speculative_config: a draft model runs on a single device for now; it cannot be used with "
+                         "--tensor-parallel-size or --nnodes above 1 (n-gram speculation can)")
+    try:
+        draft = inspect_model(spec.model, config.dtype)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model={spec.model!r} cannot be read: {e}") from e
+    if draft.config.vocab_size != info.config.vocab_size:
+        raise ValueError(f"speculative_config.model={spec.model!r} has a vocabulary of {draft.config.vocab_size} "
+                         f"tokens, the target model {info.config.vocab_size}: a draft model must share the target's "
+                         "vocabulary (the same tokenizer)")
+    return draft
+
+
+def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner: ModelRunner,
+                max_tokens_per_pass: int) -> DraftModel:
+    spec = config.speculative_config
+    if info.config.max_position_embeddings < plan.max_model_len:
+        raise ValueError(f"speculative_config.model={spec.model!r} takes {info.config.max_position_embeddings} "
+                         f"positions, fewer than max_model_len={plan.max_model_len}: lower --max-model-len")
+    model = load_model(spec.model, config.dtype)
+    cfg = model.config
+    backend = resolve_attention_backend(
+        config.attention_backend, jax.devices()[0].platform, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, block_size=config.block_size, dtype=model.dtype, sliding_window=cfg.sliding_window,
+        alibi=cfg.alibi, compute_capability=getattr(jax.local_devices()[0], "compute_capability", None),
+        kv_dtype=model.dtype)
+    logger.info("speculative decoding: the draft model %s (%s, %d layers, %.2f GiB) proposes up to %d tokens "
+                "greedily before each step; its KV pages share the target's blocks (%d slots of lookahead per "
+                "request); proposals are verified as many as measured step times say pay",
+                spec.model, cfg.architecture, cfg.num_layers, info.weight_bytes / 2**30, spec.num_speculative_tokens,
+                spec.num_speculative_tokens)
+    return DraftModel(model, plan.num_blocks, config.block_size, backend, max_tokens_per_pass, runner.fine_buckets)
 
 
 def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:
@@ -229,8 +272,10 @@ def _device_memory() -> DeviceMemory | None:
 
 
 def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None, backend: AttentionBackend,
-                 channel: PlanChannel | None, cluster: Cluster | None, kv_dtype: Any) -> tuple[KVCachePlan, int]:
-    """The KV cache plan (and the activation bytes it reserved), before the weights load."""
+                 channel: PlanChannel | None, cluster: Cluster | None, kv_dtype: Any,
+                 draft: ModelInfo | None = None) -> tuple[KVCachePlan, int]:
+    """The KV cache plan (and the activation bytes it reserved), before the weights load. A draft
+    model's weights and cache pages count too."""
     arch = get_architecture(info.config.architecture)
     local_cfg = info.config if tp is None else tp.local
     weight_bytes = info.weight_bytes if tp is None else param_bytes(device_share(
@@ -263,9 +308,14 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
     logger.info("sampler state: %d rows x %d tokens = %.1f MiB%s", config.max_num_seqs + 1,
                 info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
     num_devices = 1 if tp is None else tp.size
+    draft_per_block = 0
+    if draft is not None:
+        weight_bytes += draft.weight_bytes
+        draft_per_block = DraftModel.bytes_per_block(draft.config, config.block_size, draft.dtype.itemsize)
     plan = plan_kv_cache(local_cfg, config, kv_dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
                          num_devices=num_devices, sampler_state_bytes=sampler_bytes,
-                         pool_bytes=None if memory is None else memory.pool_bytes)
+                         pool_bytes=None if memory is None else memory.pool_bytes,
+                         draft_bytes_per_block=draft_per_block)
     if kv_dtype.itemsize < info.dtype.itemsize:
         logger.info("KV cache in %s: %d bytes per value instead of %d in %s, so %.1fx the tokens fit in the same "
                     "memory (%d blocks of %d tokens)", kv_dtype.name, kv_dtype.itemsize, info.dtype.itemsize,

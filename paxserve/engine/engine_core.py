@@ -30,6 +30,7 @@ from paxserve.core.scheduler import Scheduler, SchedulerOutput
 from paxserve.engine.stats import StatsLogger
 from paxserve.spec_decode.acceptance import SpecDecodingStats
 from paxserve.spec_decode.config import SpeculativeConfig
+from paxserve.spec_decode.draft_model import DraftModel
 from paxserve.spec_decode.speculator import Speculator
 from paxserve.worker.model_runner import ModelRunner, ModelStep
 from paxserve.worker.sampling.host_inputs import SampledTokens, constrained_rows
@@ -61,11 +62,12 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, vocab_size: int,
                  stats: StatsLogger, async_scheduling: bool = False, isolate_failed_steps: bool = True,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None) -> None:
         """`isolate_failed_steps=False` (a multi-host engine): a failed step raises instead of failing
         only its requests, since the other ranks' caches and programs can no longer be kept in step.
         `speculative`: propose tokens for decoding requests and verify them in their next step (the
-        runner must have been made for its number of tokens; steps then run synchronously)."""
+        runner must have been made for its number of tokens; steps then run synchronously), with
+        `draft` proposing when its method is "draft_model"."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -92,7 +94,7 @@ class EngineCore:
                 raise ValueError(f"the model runner verifies {runner.input_batch.verify_width - 1} proposed tokens, "
                                  f"the speculative config proposes {speculative.num_speculative_tokens}: build "
                                  "both from the same config")
-            self._speculator = Speculator(speculative, self._step_program)
+            self._speculator = Speculator(speculative, self._step_program, draft, kv.block_ids)
             self.spec_stats = self._speculator.stats
 
     # ---- requests ------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from typing import Any
 # Beyond this a verification step feeds more tokens than a proposal is ever right about, and every
 # sequence's logits rows (1 + k of them) are paid for whether it proposed or not.
 MAX_SPECULATIVE_TOKENS = 16
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Named by vLLM but not built here yet: asking for them is an error that says so.
-PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "suffix", "medusa")
+PLANNED_METHODS = ("eagle", "eagle3", "mtp", "suffix", "medusa")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size"}
 
 
@@ -23,7 +23,8 @@ def _bad(name: str, value: object, allowed: str) -> ValueError:
 class SpeculativeConfig:
     """`method` "ngram": propose the tokens that followed the last earlier occurrence of the
     sequence's final n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), in the
-    prompt or the output so far."""
+    prompt or the output so far. "draft_model": a smaller `model` (a checkpoint directory or .gguf
+    file) of the same vocabulary proposes greedily."""
 
     method: str
     num_speculative_tokens: int
@@ -32,6 +33,7 @@ class SpeculativeConfig:
     # No proposals while this many requests or more are running (vLLM's name). Without it, how many
     # proposals a step verifies is weighed against the step times measured (`planner`).
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model
 
     def __post_init__(self) -> None:
         if self.method in PLANNED_METHODS:
@@ -45,6 +47,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _bad(name, value, "must be an integer >= 1")
+        if self.method == "draft_model" and not self.model:
+            raise _bad("model", self.model, "is required for method 'draft_model': a checkpoint directory or .gguf file")
+        if self.method != "draft_model" and self.model is not None:
+            raise _bad("model", self.model, f"is for method 'draft_model'; method {self.method!r} uses no model")
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise _bad("disable_by_batch_size", b, "must be an integer >= 1 (or absent)")
@@ -79,4 +85,6 @@ class SpeculativeConfig:
         hi = value.get("prompt_lookup_max")
         if hi is None:
             hi = max(lo, 5) if isinstance(lo, int) else lo
-        return cls(method, value["num_speculative_tokens"], lo, hi, value.get("disable_by_batch_size"))
+        model = value.get("model")
+        return cls(method, value["num_speculative_tokens"], lo, hi, value.get("disable_by_batch_size"),
+                   None if model is None else str(model))

@@ -10,6 +10,7 @@ import numpy as np
 from paxserve.core.request import Request
 from paxserve.spec_decode.acceptance import AcceptanceRate, DraftBackoff, SpecDecodingStats
 from paxserve.spec_decode.config import SpeculativeConfig
+from paxserve.spec_decode.draft_model import DraftModel
 from paxserve.spec_decode.ngram import NgramProposer
 from paxserve.spec_decode.planner import StepTimes, plan_drafts
 
@@ -18,8 +19,17 @@ StepProgram = Callable[[int, int, bool], Hashable]
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, step_program: StepProgram) -> None:
+    """`draft`: the draft model that proposes (method "draft_model"), else n-gram lookup does;
+    `block_ids`: a request's block ids, where the draft model's cache pages are."""
+
+    def __init__(self, config: SpeculativeConfig, step_program: StepProgram, draft: DraftModel | None = None,
+                 block_ids: Callable[[str], list[int]] | None = None) -> None:
+        if (draft is None) != (config.method != "draft_model"):
+            raise ValueError(f"speculative method {config.method!r} {'needs' if draft is None else 'takes no'} "
+                             "draft model")
         self.config = config
+        self.draft = draft
+        self._block_ids = block_ids
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodingStats()
         self.engine_rate = AcceptanceRate()
@@ -38,7 +48,7 @@ class Speculator:
         if limit is not None and len(running) >= limit:
             return
         decoding = 0
-        proposing: list[tuple[Request, list[int]]] = []
+        candidates: list[tuple[Request, int]] = []
         for r in running:
             if r.paused or r.num_output_placeholders or r.num_computed_tokens != r.num_tokens - 1:
                 continue
@@ -53,12 +63,22 @@ class Speculator:
                 r.spec_backoff = DraftBackoff()
                 r.spec_prompt = np.asarray(r.prompt_token_ids, np.int32)
             if r.spec_backoff.allows():
-                tokens = np.concatenate([r.spec_prompt, np.asarray(r.output_token_ids, np.int32)])
-                proposal = self.proposer.propose(tokens, room)
-                if r.matcher is not None:  # what the grammar would refuse is never sampled
-                    proposal = proposal[:r.matcher.validate_tokens(proposal)]
-                if proposal:
-                    proposing.append((r, proposal))
+                candidates.append((r, room))
+        if not candidates:
+            return
+        if self.draft is not None:
+            proposals = self.draft.propose_batch([r for r, _ in candidates], [room for _, room in candidates],
+                                                 self._block_ids)
+        else:
+            proposals = [self.proposer.propose(np.concatenate([r.spec_prompt, np.asarray(r.output_token_ids,
+                                                                                        np.int32)]), room)
+                         for r, room in candidates]
+        proposing: list[tuple[Request, list[int]]] = []
+        for (r, _), proposal in zip(candidates, proposals):
+            if r.matcher is not None:  # what the grammar would refuse is never sampled
+                proposal = proposal[:r.matcher.validate_tokens(proposal)]
+            if proposal:
+                proposing.append((r, proposal))
         if not proposing:
             return
         prior = self.engine_rate.rate

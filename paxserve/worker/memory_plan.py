@@ -63,14 +63,16 @@ def plan_kv_cache(
     num_devices: int = 1,
     sampler_state_bytes: int = 0,
     pool_bytes: int | None = None,
+    draft_bytes_per_block: int = 0,
 ) -> KVCachePlan:
     """`device_bytes` is the accelerator's total memory, or None on CPU; `pool_bytes`, JAX's
     allocator pool, caps what `gpu_memory_utilization` grants when it is smaller. Under tensor parallelism `cfg`
     is one device's share and every budget is per device (as vLLM's --kv-cache-memory-bytes and
     --gpu-memory-utilization are), except the CPU default, a host budget the `num_devices`
-    simulated devices share."""
+    simulated devices share. `draft_bytes_per_block`: a draft model's cache, in the same blocks (its
+    weights are in `weight_bytes`)."""
     bs = config.block_size
-    per_block = kv_bytes_per_block(cfg, bs, itemsize)
+    per_block = kv_bytes_per_block(cfg, bs, itemsize) + draft_bytes_per_block
     if config.num_gpu_blocks_override is not None:
         num_blocks, source = config.num_gpu_blocks_override, "num_gpu_blocks_override"
         budget = num_blocks * per_block
@@ -128,6 +130,9 @@ def plan_kv_cache(
         "requests: %.2fx", num_blocks - 1, bs, plan.num_tokens, plan.num_bytes / GiB,
         "" if num_devices == 1 else f" on each of {num_devices} devices", source, max_model_len, plan.max_concurrency,
     )
+    if draft_bytes_per_block:
+        logger.info("KV cache: each block holds the draft model's pages too (%d of its %d bytes)",
+                    draft_bytes_per_block, per_block)
     return plan
 
 

@@ -25,6 +25,7 @@ from paxserve.spec_decode.planner import StepTimes, plan_drafts
 from paxserve.worker.sampling.host_inputs import SamplingRow, build_sampling_inputs
 from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata
 from paxserve.worker.sampling.verify import kept_rows, verify
+from tests.helpers import make_tiny_llama
 from tests.paxserve.test_engine import VOCAB, tiny_dir  # noqa: F401 - a module fixture: SmolLM2's vocabulary
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -34,12 +35,16 @@ def test_the_config_reads_vllm_json_and_names_what_is_wrong() -> None:
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == \
         ("ngram", 4, 1, 3)
+    draft = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model) == ("draft_model", "/some/draft")
     bad = [({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
            ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
            ({"method": "ngram"}, "num_speculative_tokens"),
            ({"method": "magic", "num_speculative_tokens": 2}, "method"),
            ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not available"),
-           ({"model": "/some/draft", "num_speculative_tokens": 2}, "not available"),
+           ({"method": "draft_model", "num_speculative_tokens": 2}, "model.* is required"),
+           ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2}, "uses no model"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
             "prompt_lookup_min"),
            ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown keys"),
@@ -326,3 +331,35 @@ def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
                                 use_tqdm=False)[0]
         assert short.outputs[0].token_ids == answer[:7] and short.outputs[0].finish_reason == "length"
     assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
+
+
+def test_a_draft_model_proposes_and_outputs_stay_plain_decodings(
+        tiny_dir: Path, plain: dict[str, list], tmp_path: Path) -> None:  # noqa: F811
+    """The target as its own draft (its greedy chain: every greedy proposal right) through forced
+    preemption, and another random model of the same vocabulary (mostly wrong)."""
+    other, small = tmp_path / "draft", tmp_path / "small-vocab"
+    make_tiny_llama(other, seed=9, vocab_size=VOCAB, num_attention_heads=2, num_key_value_heads=1,
+                    num_hidden_layers=1, max_position_embeddings=512)
+    make_tiny_llama(small, seed=9, vocab_size=320, max_position_embeddings=512)
+    with pytest.raises(ValueError, match="vocabulary of 320 tokens, the target model 49152"):
+        Engine(str(tiny_dir), speculative_config={"model": str(small), "num_speculative_tokens": 2}, **ARGS)
+    with pytest.raises(ValueError, match="speculative_config.model=.*cannot be read"):
+        Engine(str(tiny_dir), speculative_config={"model": str(tmp_path / "nowhere"), "num_speculative_tokens": 2},
+               **ARGS)
+    prompts = PROMPTS + [p for p, _ in EXTRA]
+    for draft, args in ((tiny_dir, {**ARGS, **SMALL_POOL, "block_size": 8}), (other, {**ARGS, "block_size": 32})):
+        engine = Engine(str(tiny_dir), speculative_config={"model": str(draft), "num_speculative_tokens": 3}, **args)
+        core = engine.parts.core
+        core._speculator.times = Unmeasured()
+        stats = core.spec_stats
+        for name, params in (("greedy", GREEDY), ("sampled", SAMPLED))[:2 if draft is tiny_dir else 1]:
+            outs = engine.generate(prompts, [params] * len(PROMPTS) + [q for _, q in EXTRA], use_tqdm=False)
+            for out, want in zip(outs, plain[name] + plain["extra"]):
+                assert out.outputs[0].token_ids == want.outputs[0].token_ids
+            if name == "greedy" and draft is tiny_dir:  # greedy rows (penalised and guided ones too)
+                assert stats.num_drafts > 20 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+        if draft is tiny_dir:
+            assert core.stats.preemptions > 0
+        else:
+            assert stats.num_drafts > 5 and stats.num_accepted_tokens < stats.num_draft_tokens
+        assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1

@@ -1,0 +1,142 @@
+"""A draft model: a smaller model of the target's vocabulary proposes the next tokens greedily.
+
+It has its own paged KV cache with as many blocks as the target's, addressed by the same block
+ids: a request's draft KV lives in the blocks the scheduler gave the request (it allocates k slots
+of lookahead for the draft's proposals), so the draft needs no allocator, and preemption or the end
+of a request frees both caches at once.
+
+Before each step, for every request that proposes: one ragged forward over the tokens the draft has
+not seen (the whole prompt the first time, then the tokens verification kept), whose last logits
+give the first proposal, and one single-token forward per further proposal. What the draft fed as
+proposals stays valid in its cache as far as verification kept them, so the next catch-up starts
+there. Only speed depends on the draft's cache: verification decides every kept token, so a stale
+page (a block a prefix-cache hit brought in, a recomputation) costs acceptance, never correctness.
+
+Greedy proposals are one token each, which is what `sampling.verify`'s acceptance rule is exact for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxserve.core.request import Request
+from paxserve.kernels import AttentionBackend, KVCache
+from paxserve.models.loader import LoadedModel
+from paxserve.worker.step_functions import attention_metadata, jitted_logits
+from paxserve.worker.step_inputs import assemble_batch, bucket_size, next_power_of_2
+
+logger = logging.getLogger(__name__)
+
+_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+@dataclass(slots=True)
+class DraftState:
+    """What a request's draft cache holds: valid KV for positions [0, computed), then the KV of the
+    proposals it fed at positions from `computed` on (valid as far as they turn out right)."""
+
+    preemptions: int  # the request's count when this was made: a preemption loses the pages
+    computed: int = 0
+    fed: list[int] = field(default_factory=list)
+
+
+class DraftModel:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, attention_backend: AttentionBackend,
+                 max_tokens_per_pass: int, fine_buckets: bool) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.attention_backend = attention_backend
+        self.max_tokens_per_pass = max_tokens_per_pass
+        self.fine_buckets = fine_buckets
+        cfg = model.config
+        self.kv_cache = KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                      model.dtype)
+        self._forward = jitted_logits(model.architecture.forward)
+        self._shapes: set[tuple[int, int, int]] = set()
+
+    def propose_batch(self, requests: list[Request], rooms: list[int],
+                      block_ids: Callable[[str], list[int]]) -> list[list[int]]:
+        """Up to `rooms[i]` greedy proposals for each request (all of them decode next)."""
+        rows = []
+        rooms = list(rooms)
+        for i, request in enumerate(requests):
+            state = request.spec_draft
+            if state is None or state.preemptions != request.num_preemptions:
+                state = request.spec_draft = DraftState(request.num_preemptions)
+            if state.fed:  # the fed proposals' pages hold what verification kept of them
+                kept = request.token_ids_slice(state.computed, state.computed + len(state.fed))
+                n = 0
+                while n < len(kept) and kept[n] == state.fed[n]:
+                    n += 1
+                # The last token is fed again even when it was a right proposal: its logits are needed.
+                state.computed = min(state.computed + n, request.num_tokens - 1)
+                state.fed = []
+            rows.append(np.asarray(block_ids(request.request_id), np.int32))
+            # The draft writes pages up to the position of its last fed proposal, in the request's own
+            # blocks (the scheduler's lookahead makes them there); never past them.
+            rooms[i] = min(rooms[i], rows[-1].shape[0] * self.block_size - request.num_tokens + 1)
+        pending = [r.token_ids_slice(r.spec_draft.computed, r.num_tokens) if room >= 1 else []
+                   for r, room in zip(requests, rooms)]
+        # Catch up, a pass at a time while a long prompt is pending; the last pass's logits give the
+        # first proposals.
+        tokens: list[list[int]] = [[] for _ in requests]
+        while any(pending):
+            budget, chunks = self.max_tokens_per_pass, []
+            for i, p in enumerate(pending):
+                take = min(len(p), max(1, budget)) if budget > 0 else 0
+                chunks.append(p[:take])
+                pending[i] = p[take:]
+                budget -= take
+            live = [i for i, c in enumerate(chunks) if c]
+            firsts = self._run([requests[i].spec_draft.computed for i in live], [chunks[i] for i in live],
+                               [rows[i] for i in live])
+            for i, t in zip(live, firsts):
+                requests[i].spec_draft.computed += len(chunks[i])
+                if not pending[i]:
+                    tokens[i].append(t)
+        for step in range(1, max(rooms, default=0)):
+            live = [i for i, room in enumerate(rooms) if room > step]
+            nxt = self._run([requests[i].num_tokens + step - 1 for i in live], [[tokens[i][-1]] for i in live],
+                            [rows[i] for i in live])
+            for i, t in zip(live, nxt):
+                tokens[i].append(t)
+        for request, proposal, room in zip(requests, tokens, rooms):
+            request.spec_draft.fed = proposal[:max(0, room - 1)]
+        return [proposal[:max(0, room)] for proposal, room in zip(tokens, rooms)]
+
+    def _run(self, starts: list[int], chunks: list[list[int]], tables: list[np.ndarray]) -> list[int]:
+        """One forward of the draft over each sequence's chunk (fed at positions from its start);
+        the greedy token after each chunk's last."""
+        n = len(chunks)
+        num_new = np.fromiter(map(len, chunks), np.int32, n)
+        input_ids = np.fromiter((t for c in chunks for t in c), np.int32, int(num_new.sum()))
+        num_computed = np.asarray(starts, np.int32)
+        need = -(-(num_computed + num_new) // self.block_size)
+        widest = int(need.max())
+        table = np.zeros((n, widest), np.int32)
+        for i, blocks in enumerate(tables):
+            table[i, :min(widest, blocks.shape[0])] = blocks[:widest]
+        t_pad, s_pad = bucket_size(len(input_ids), self.fine_buckets), bucket_size(n, self.fine_buckets)
+        b_pad = next_power_of_2(widest)
+        if (t_pad, s_pad, b_pad) not in self._shapes:
+            self._shapes.add((t_pad, s_pad, b_pad))
+            logger.info("draft model: first pass in bucket (%d tokens, %d sequences, %d blocks); %d buckets so far",
+                        t_pad, s_pad, b_pad, len(self._shapes))
+        batch = assemble_batch(input_ids, num_computed, num_new, table, need.astype(np.int32), self.block_size,
+                               pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
+        logits, self.kv_cache = self._forward(
+            self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+            attention_metadata(batch), jnp.zeros((1,), jnp.int32), jnp.full(batch.input_ids.shape, -1, jnp.int32),
+            cfg=self.model.config, attention_backend=self.attention_backend, tp=None)
+        return np.asarray(_argmax(logits))[:n].tolist()
+
+    @staticmethod
+    def bytes_per_block(cfg: Any, block_size: int, itemsize: int) -> int:
+        """The draft cache's share of one block (K and V, every layer)."""
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
