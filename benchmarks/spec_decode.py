@@ -3,7 +3,7 @@
     python benchmarks/spec_decode.py [--runs 3] [--max-tokens 128] [--k 2 4]
 
 SmolLM2-135M-Instruct (the bundled GGUF, served as the CPU default serves it), greedy, at batch 1
-and 8, on two workloads:
+and 8, with n-gram lookup and with the model as its own draft, on two workloads:
 
 - grounded: "repeat this passage with its typos fixed" over passages of Python's own documentation
   (`pydoc_data.topics`, ~300 tokens each): the answer copies its prompt, which prompt lookup finds;
@@ -85,13 +85,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--draft-k", type=int, nargs="*", default=[4],
+                        help="the model as its own draft with these k (none: skip)")
     parser.add_argument("--workloads", nargs="+", default=["grounded", "open-ended"],
                         choices=["grounded", "open-ended"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from paxserve import Engine
 
+    from paxserve.models.bundled import default_model_path
+
     settings = [("off", None)] + [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k}) for k in args.k]
+    # The model as its own draft: the acceptance a draft model could reach at best (not a speed-up
+    # on a CPU, where the draft's passes cost what the target's do).
+    settings += [(f"self k={k}", {"model": str(default_model_path()), "num_speculative_tokens": k})
+                 for k in args.draft_k]
     engines = {name: Engine(speculative_config=spec, log_stats_interval=0, max_num_seqs=8) for name, spec in settings}
     tokenizer = engines["off"].tokenizer
     print(f"{'workload':10} {'batch':>5} {'setting':>10} {'tok/s':>8} {'x off':>6} {'accept len':>10} "

@@ -150,8 +150,10 @@ def _add_speculative_flag(group: argparse._ActionsContainer) -> None:
     group.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
                             '"prompt_lookup_min": 1, "prompt_lookup_max": 5} proposes up to K tokens found after an '
-                            "earlier occurrence of the last n tokens (prompt or output) and verifies them in one step; "
-                            "outputs stay those of plain decoding (greedy and seeded sampling alike)")
+                            "earlier occurrence of the last n tokens (prompt or output); {\"model\": PATH, "
+                            "\"num_speculative_tokens\": K} has a smaller draft model of the same vocabulary propose "
+                            "them. The next step verifies them; outputs stay those of plain decoding (greedy and "
+                            "seeded sampling alike)")
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:

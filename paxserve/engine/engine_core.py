@@ -198,10 +198,16 @@ class EngineCore:
         self._in_flight = None if flight is None or flight.abandoned else flight
         return outputs
 
-    def _step_program(self, num_tokens: int, num_seqs: int, verifying: bool) -> tuple[str, int, int]:
-        """The program (kind, tokens, sequences) a step of decoding rows runs, as `_complete` times it."""
-        t, s, _ = self.runner.exact_buckets(num_tokens, num_seqs, 1)
-        return ("verify" if verifying else self.runner.decode_kind, t, s)
+    def _step_program(self, num_tokens: int, num_seqs: int, verifying: bool) -> tuple[str, int, int] | None:
+        """The program (kind, tokens, sequences) a step of decoding rows runs, as `_complete` times
+        it; None for a verifying one whose program is not compiled yet (it compiles meanwhile)."""
+        if not verifying:
+            t, s, _ = self.runner.exact_buckets(num_tokens, num_seqs, 1)
+            return (self.runner.decode_kind, t, s)
+        widest = max((self.kv.num_blocks(r.request_id) for r in self.scheduler.running), default=1)
+        key = self.runner.ready_verify_program(num_tokens, num_seqs, max(1, widest),
+                                               self.speculative.num_speculative_tokens)
+        return None if key is None else key[:3]
 
     def _take_in_flight(self) -> _Flight:
         flight, self._in_flight = self._in_flight, None

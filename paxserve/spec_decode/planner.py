@@ -14,6 +14,9 @@ from typing import Callable, Hashable
 # Steps whose times are kept per program: the median of a few ignores a pause (a collection, a
 # neighbour) and follows a machine whose speed changes.
 _WINDOW = 8
+# Proposals are verified only when they are expected to bring this much more than plain decoding:
+# acceptance rates and step times are estimates, and a gain within their noise is no gain.
+_MARGIN = 1.05
 
 
 @dataclass(slots=True)
@@ -43,21 +46,24 @@ def plan_drafts(gains: list[list[float]], num_decoding: int, step_time: Callable
     ones before it are accepted), falling in j. `num_decoding`: the requests that decode this step,
     proposing or not (each yields one token). `step_time(d)`: the step's time with d proposal tokens
     in all, None when not measured yet: taken as the time without any, so that proposing is tried
-    and measured. The number of proposal tokens chosen is the one with the most expected tokens per
-    second; they are the ones with the largest gains."""
+    and measured (infinite: such a step cannot run yet). The number of proposal tokens chosen is the one with the most expected tokens per
+    second (when it beats plain decoding's by `_MARGIN`); they are the ones with the largest gains."""
     if not gains:
         return []
     base = step_time(0)
     if base is None:
         return [len(g) for g in gains]
     ranked = sorted(((gain, i) for i, row in enumerate(gains) for gain in row), key=lambda x: -x[0])
-    best, best_rate, expected = 0, num_decoding / base, float(num_decoding)
+    plain = num_decoding / base
+    best, best_rate, expected = 0, plain, float(num_decoding)
     for d, (gain, _) in enumerate(ranked, 1):
         expected += gain
         seconds = step_time(d)
         rate = expected / (base if seconds is None else seconds)
         if rate > best_rate:
             best, best_rate = d, rate
+    if best_rate < _MARGIN * plain:
+        best = 0
     counts = [0] * len(gains)
     for _, i in ranked[:best]:  # a request's gains fall, so its chosen ones are its first
         counts[i] += 1

@@ -3,6 +3,7 @@ schedule, how many of them are worth verifying (`planner`), and what verificatio
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Hashable, Iterable
 
 import numpy as np
@@ -14,8 +15,9 @@ from paxserve.spec_decode.draft_model import DraftModel
 from paxserve.spec_decode.ngram import NgramProposer
 from paxserve.spec_decode.planner import StepTimes, plan_drafts
 
-# (tokens, sequences, whether it verifies) -> the program such a step runs, as `record_step` names it.
-StepProgram = Callable[[int, int, bool], Hashable]
+# (tokens, sequences, whether it verifies) -> the program such a step runs, as `record_step` names it
+# (None: a verifying program that is not ready yet).
+StepProgram = Callable[[int, int, bool], Hashable | None]
 
 
 class Speculator:
@@ -82,8 +84,12 @@ class Speculator:
         if not proposing:
             return
         prior = self.engine_rate.rate
-        counts = plan_drafts([r.spec_backoff.gains(len(p), prior) for r, p in proposing], decoding,
-                             lambda d: self.times.get(self._step_program(decoding + d, decoding, d > 0)))
+
+        def step_time(d: int) -> float | None:
+            program = self._step_program(decoding + d, decoding, d > 0)
+            return math.inf if program is None else self.times.get(program)
+
+        counts = plan_drafts([r.spec_backoff.gains(len(p), prior) for r, p in proposing], decoding, step_time)
         for (r, proposal), count in zip(proposing, counts):
             r.spec_token_ids = proposal[:count]
             if count == 0:

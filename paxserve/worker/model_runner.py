@@ -247,9 +247,7 @@ class ModelRunner:
             self._prefetch(kind, exact, widest)
             return (kind, *exact)
         t, s, b = exact
-        kinds = (kind, "forward") if kind == "decode" else (kind,)
-        covers = [key for key in self.programs.keys() if key[0] in kinds and key[1] >= t and key[2] >= s
-                  and key[3] >= b and key[1] * key[2] * key[3] <= _COVER_COST * t * s * b]
+        covers = self._covers(kind, exact)
         if not covers:
             # Only its own program can serve this step: build it now, before the buckets that come
             # next are queued, so that no background compile slows this one down.
@@ -265,6 +263,33 @@ class ModelRunner:
         # prompt's step runs once, so its own bucket is a guess at the next prompt of that length.
         self.programs.compile_later((kind, *exact), guess=t != s or cover[:3] == (kind, t, s))
         return cover
+
+    def _covers(self, kind: str, exact: tuple[int, int, int]) -> list[tuple[str, int, int, int]]:
+        t, s, b = exact
+        kinds = (kind, "forward") if kind == "decode" else (kind,)
+        return [key for key in self.programs.keys() if key[0] in kinds and key[1] >= t and key[2] >= s
+                and key[3] >= b and key[1] * key[2] * key[3] <= _COVER_COST * t * s * b]
+
+    def ready_verify_program(self, num_tokens: int, num_seqs: int, widest: int,
+                             num_spec_tokens: int) -> tuple[str, int, int, int] | None:
+        """The verifying program a step of this size would run without waiting for a compile (its
+        own, or the cheapest that covers it), or None: its own is then queued for the background,
+        so speculation can use it once it is ready rather than stall a step compiling it. Without
+        background compiles every program counts as ready (it compiles when first run)."""
+        exact = self.exact_buckets(num_tokens, num_seqs, widest)
+        if ("verify", *exact) in self.programs or not self.programs.background:
+            key = ("verify", *exact)
+        else:
+            covers = self._covers("verify", exact)
+            key = min(covers, key=lambda k: k[1] * k[2] * k[3]) if covers else None
+            if key is None or key[1:] != exact:
+                self.programs.compile_later(("verify", *exact))
+        if key is not None and self.programs.background:
+            rows = min(key[1], key[2] * (1 + num_spec_tokens))
+            if ("verify_sample", rows) not in self.programs:
+                self.programs.compile_later(("verify_sample", rows))
+                return None
+        return key
 
     def _prefetch(self, kind: str, exact: tuple[int, int, int], widest: int) -> None:
         """Decode steps grow one token per step and batches grow one request at a time: have the next

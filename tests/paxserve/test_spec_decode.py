@@ -4,6 +4,7 @@ the target distribution kept by rejection sampling."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,10 @@ def test_the_plan_verifies_what_pays_for_its_share_of_the_step() -> None:
     assert plan_drafts(gains, 4, lambda d: 0.006 + 0.004 * (1 + d)) == [0, 0]
     # A bucket jump: the first proposal costs the jump, the rest ride along.
     assert plan_drafts(gains, 4, lambda d: 0.010 if d == 0 else 0.012) == [3, 3]
+    # A verifying program not compiled yet: nothing waits for it.
+    assert plan_drafts(gains, 4, lambda d: 0.010 if d == 0 else math.inf) == [0, 0]
+    # A gain within the estimates' noise is not taken (here 1.02x plain decoding's rate).
+    assert plan_drafts([[0.5]], 4, lambda d: 0.010 * (1 + 0.1 * d)) == [0]
     times = StepTimes()
     times.record("p", 5.0)  # the first step of a program (it may have compiled it) is not counted
     assert times.get("p") is None
@@ -236,9 +241,10 @@ class OracleProposer:
     """Proposes the continuation plain decoding gave (`answers`: prompt + output), right for the
     first `right` tokens of every proposal and wrong after: every accept and reject path runs."""
 
-    def __init__(self, answers: list[list[int]], right: int) -> None:
+    def __init__(self, answers: list[list[int]], right: int, vocab_size: int = VOCAB) -> None:
         self.answers = answers
         self.right = right
+        self.vocab_size = vocab_size
         self.calls = 0
 
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
@@ -247,7 +253,7 @@ class OracleProposer:
         for answer in self.answers:
             if answer[:len(tokens)] == tokens:
                 nxt = answer[len(tokens):len(tokens) + k]
-                return [t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(nxt)]
+                return [t if i < self.right else (t + 1) % self.vocab_size for i, t in enumerate(nxt)]
         return []
 
 
