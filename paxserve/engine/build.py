@@ -222,7 +222,8 @@ def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner
                 "request); proposals are verified as many as measured step times say pay",
                 spec.model, cfg.architecture, cfg.num_layers, info.weight_bytes / 2**30, spec.num_speculative_tokens,
                 spec.num_speculative_tokens)
-    return DraftModel(model, plan.num_blocks, config.block_size, backend, max_tokens_per_pass, runner.fine_buckets)
+    return DraftModel(model, plan.num_blocks, config.block_size, backend, max_tokens_per_pass, runner.fine_buckets,
+                      _program_store(config, None))
 
 
 def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:

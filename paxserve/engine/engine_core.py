@@ -96,6 +96,7 @@ class EngineCore:
                                  "both from the same config")
             self._speculator = Speculator(speculative, self._step_program, draft, kv.block_ids)
             self.spec_stats = self._speculator.stats
+        self._verify_programs: dict = {}
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -174,6 +175,7 @@ class EngineCore:
         the outputs returned are then the previous step's. A row whose request finished (or was
         aborted) meanwhile drops its token, so nothing is ever emitted past a stop."""
         if self._speculator is not None:
+            self._verify_programs = {}  # this step's answers of `_step_program`, by bucket
             self._speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.last_num_scheduled = len(out.scheduled)
@@ -201,13 +203,18 @@ class EngineCore:
     def _step_program(self, num_tokens: int, num_seqs: int, verifying: bool) -> tuple[str, int, int] | None:
         """The program (kind, tokens, sequences) a step of decoding rows runs, as `_complete` times
         it; None for a verifying one whose program is not compiled yet (it compiles meanwhile)."""
+        t, s, _ = self.runner.exact_buckets(num_tokens, num_seqs, 1)
         if not verifying:
-            t, s, _ = self.runner.exact_buckets(num_tokens, num_seqs, 1)
             return (self.runner.decode_kind, t, s)
-        widest = max((self.kv.num_blocks(r.request_id) for r in self.scheduler.running), default=1)
-        key = self.runner.ready_verify_program(num_tokens, num_seqs, max(1, widest),
-                                               self.speculative.num_speculative_tokens)
-        return None if key is None else key[:3]
+        # The plan asks once per proposal count; the answer changes only with the token bucket.
+        memo = self._verify_programs
+        if (t, s) not in memo:
+            if "widest" not in memo:
+                memo["widest"] = max((self.kv.num_blocks(r.request_id) for r in self.scheduler.running), default=1)
+            key = self.runner.ready_verify_program(num_tokens, num_seqs, max(1, memo["widest"]),
+                                                   self.speculative.num_speculative_tokens)
+            memo[(t, s)] = None if key is None else key[:3]
+        return memo[(t, s)]
 
     def _take_in_flight(self) -> _Flight:
         flight, self._in_flight = self._in_flight, None

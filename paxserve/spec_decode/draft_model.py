@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -28,7 +29,9 @@ import numpy as np
 from paxserve.core.request import Request
 from paxserve.kernels import AttentionBackend, KVCache
 from paxserve.models.loader import LoadedModel
-from paxserve.worker.step_functions import attention_metadata, jitted_logits
+from paxserve.models.quant_weights import matmul_kernel
+from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
+from paxserve.worker.step_functions import StepShapes, attention_metadata
 from paxserve.worker.step_inputs import assemble_batch, bucket_size, next_power_of_2
 
 logger = logging.getLogger(__name__)
@@ -47,8 +50,11 @@ class DraftState:
 
 
 class DraftModel:
+    """`program_store`: where its compiled passes are kept (the runner's store: a restart loads them
+    instead of compiling)."""
+
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, attention_backend: AttentionBackend,
-                 max_tokens_per_pass: int, fine_buckets: bool) -> None:
+                 max_tokens_per_pass: int, fine_buckets: bool, program_store: Path | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.attention_backend = attention_backend
@@ -57,8 +63,17 @@ class DraftModel:
         cfg = model.config
         self.kv_cache = KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                       model.dtype)
-        self._forward = jitted_logits(model.architecture.forward)
-        self._shapes: set[tuple[int, int, int]] = set()
+        # The target's step programs, for the draft's shapes: one "forward" per (tokens, sequences,
+        # block width) bucket ("decode" for one token per sequence where the backend has a kernel
+        # for it), compiled when first needed and stored like the target's.
+        self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks, 1,
+                                 attention_backend, None, model.quantization, None, matmul_kernel(model.params))
+        common = "|".join([environment_fingerprint(), source_fingerprint(), "draft"])
+        self.programs = Programs(self.shapes.spec, lambda kind: common + self.shapes.fingerprint(kind), program_store,
+                                 background=False)
+        if program_store is not None:
+            self.programs.scan_store()
+        self._decode_kind = "decode" if attention_backend.decode_kernel else "forward"
 
     def propose_batch(self, requests: list[Request], rooms: list[int],
                       block_ids: Callable[[str], list[int]]) -> list[list[int]]:
@@ -124,16 +139,15 @@ class DraftModel:
             table[i, :min(widest, blocks.shape[0])] = blocks[:widest]
         t_pad, s_pad = bucket_size(len(input_ids), self.fine_buckets), bucket_size(n, self.fine_buckets)
         b_pad = next_power_of_2(widest)
-        if (t_pad, s_pad, b_pad) not in self._shapes:
-            self._shapes.add((t_pad, s_pad, b_pad))
-            logger.info("draft model: first pass in bucket (%d tokens, %d sequences, %d blocks); %d buckets so far",
-                        t_pad, s_pad, b_pad, len(self._shapes))
+        key = (self._decode_kind if len(input_ids) == n else "forward", t_pad, s_pad, b_pad)
+        if key not in self.programs:
+            logger.info("draft model: first pass in bucket %s (tokens, sequences, block width); %d programs so far",
+                        key[1:], len(self.programs.keys()))
         batch = assemble_batch(input_ids, num_computed, num_new, table, need.astype(np.int32), self.block_size,
                                pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
-        logits, self.kv_cache = self._forward(
+        logits, self.kv_cache = self.programs.get(key)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-            attention_metadata(batch), jnp.zeros((1,), jnp.int32), jnp.full(batch.input_ids.shape, -1, jnp.int32),
-            cfg=self.model.config, attention_backend=self.attention_backend, tp=None)
+            attention_metadata(batch), jnp.zeros((1,), jnp.int32), jnp.full(batch.input_ids.shape, -1, jnp.int32))
         return np.asarray(_argmax(logits))[:n].tolist()
 
     @staticmethod

@@ -84,10 +84,15 @@ class Speculator:
         if not proposing:
             return
         prior = self.engine_rate.rate
+        seconds: dict[Hashable, float | None] = {}
 
         def step_time(d: int) -> float | None:
             program = self._step_program(decoding + d, decoding, d > 0)
-            return math.inf if program is None else self.times.get(program)
+            if program is None:
+                return math.inf
+            if program not in seconds:  # asked once per proposal count; many share a program
+                seconds[program] = self.times.get(program)
+            return seconds[program]
 
         counts = plan_drafts([r.spec_backoff.gains(len(p), prior) for r, p in proposing], decoding, step_time)
         for (r, proposal), count in zip(proposing, counts):

@@ -158,6 +158,21 @@ def test_proposals_are_scheduled_with_slots_and_rejected_ones_are_stepped_back_o
     assert sched.kv.num_free_blocks == 19
 
 
+def test_a_draft_models_lookahead_slots_are_allocated_up_to_max_model_len() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12,
+                                      num_lookahead_tokens=3), KVCacheManager(20, block_size=4, enable_caching=True))
+    request = Request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0), max_tokens=7)
+    sched.add_request(request)
+    out = sched.schedule()
+    assert sched.kv.num_blocks("a") == 2  # 5 prompt tokens and 3 slots for the draft's pages
+    sched.update_from_output(out, [6])
+    request.spec_token_ids = [7, 8, 9]
+    sched.update_from_output(sched.schedule(), [[7, 8, 9, 10]])  # 9 computed + 3 = 12 slots
+    assert sched.kv.num_blocks("a") == 3
+    sched.update_from_output(sched.schedule(), [11])  # 10 computed: the lookahead stops at max_model_len
+    assert sched.kv.num_blocks("a") == 3
+
+
 def test_the_budget_trims_proposals_and_prompt_scoring_drops_them() -> None:
     sched = _scheduler(budget=3)
     request = Request("a", [1, 2], SamplingParams(temperature=0.0), max_tokens=10)
