@@ -200,9 +200,17 @@ class EngineCore:
         self._in_flight = None if flight is None or flight.abandoned else flight
         return outputs
 
+    def _timed_program(self, out: SchedulerOutput) -> tuple[str, int, int]:
+        """A step's size as its time is kept: (kind, token bucket, sequence bucket), whichever
+        program served it (its own, or a larger one while its own compiled)."""
+        t, s, _ = self.runner.exact_buckets(out.num_scheduled_tokens, len(out.scheduled), 1)
+        if out.num_spec_tokens:
+            return ("verify", t, s)
+        return (self.runner.decode_kind if out.num_scheduled_tokens == len(out.scheduled) else "forward", t, s)
+
     def _step_program(self, num_tokens: int, num_seqs: int, verifying: bool) -> tuple[str, int, int] | None:
-        """The program (kind, tokens, sequences) a step of decoding rows runs, as `_complete` times
-        it; None for a verifying one whose program is not compiled yet (it compiles meanwhile)."""
+        """The size (as `_timed_program` names it) of a step of decoding rows; None for a verifying
+        one that no compiled program can serve yet (its own compiles meanwhile)."""
         t, s, _ = self.runner.exact_buckets(num_tokens, num_seqs, 1)
         if not verifying:
             return (self.runner.decode_kind, t, s)
@@ -213,7 +221,7 @@ class EngineCore:
                 memo["widest"] = max((self.kv.num_blocks(r.request_id) for r in self.scheduler.running), default=1)
             key = self.runner.ready_verify_program(num_tokens, num_seqs, max(1, memo["widest"]),
                                                    self.speculative.num_speculative_tokens)
-            memo[(t, s)] = None if key is None else key[:3]
+            memo[(t, s)] = None if key is None else ("verify", t, s)
         return memo[(t, s)]
 
     def _take_in_flight(self) -> _Flight:
@@ -262,7 +270,7 @@ class EngineCore:
                 self._abandon(successor)
             return self._fail_step(out, flight.registered, e, self._live(flight))
         if self._speculator is not None:  # steps run one at a time: this was the step's whole time
-            self._speculator.record_step(flight.step.program[:3], time.perf_counter() - flight.started)
+            self._speculator.record_step(self._timed_program(out), time.perf_counter() - flight.started)
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)

@@ -74,6 +74,7 @@ class DraftModel:
         if program_store is not None:
             self.programs.scan_store()
         self._decode_kind = "decode" if attention_backend.decode_kernel else "forward"
+        self.last_catch_up = 0  # the most tokens a request of the last `propose_batch` caught up on
 
     def propose_batch(self, requests: list[Request], rooms: list[int],
                       block_ids: Callable[[str], list[int]]) -> list[list[int]]:
@@ -98,6 +99,7 @@ class DraftModel:
             rooms[i] = min(rooms[i], rows[-1].shape[0] * self.block_size - request.num_tokens + 1)
         pending = [r.token_ids_slice(r.spec_draft.computed, r.num_tokens) if room >= 1 else []
                    for r, room in zip(requests, rooms)]
+        self.last_catch_up = max(map(len, pending), default=0)
         # Catch up, a pass at a time while a long prompt is pending; the last pass's logits give the
         # first proposals.
         tokens: list[list[int]] = [[] for _ in requests]

@@ -46,13 +46,14 @@ def plan_drafts(gains: list[list[float]], num_decoding: int, step_time: Callable
     ones before it are accepted), falling in j. `num_decoding`: the requests that decode this step,
     proposing or not (each yields one token). `step_time(d)`: the step's time with d proposal tokens
     in all, None when not measured yet: taken as the time without any, so that proposing is tried
-    and measured (infinite: such a step cannot run yet). The number of proposal tokens chosen is the one with the most expected tokens per
+    and measured (infinite: such a step cannot run yet). Until a plain step's time is known nothing
+    is verified: a workload whose every step verified would never measure it. The number of proposal tokens chosen is the one with the most expected tokens per
     second (when it beats plain decoding's by `_MARGIN`); they are the ones with the largest gains."""
     if not gains:
         return []
     base = step_time(0)
     if base is None:
-        return [len(g) for g in gains]
+        return [0] * len(gains)
     ranked = sorted(((gain, i) for i, row in enumerate(gains) for gain in row), key=lambda x: -x[0])
     plain = num_decoding / base
     best, best_rate, expected = 0, plain, float(num_decoding)
@@ -68,3 +69,18 @@ def plan_drafts(gains: list[list[float]], num_decoding: int, step_time: Callable
     for _, i in ranked[:best]:  # a request's gains fall, so its chosen ones are its first
         counts[i] += 1
     return counts
+
+
+def drafting_pays(gains: list[list[float]], num_decoding: int, plain_seconds: float | None,
+                  verify_seconds: float | None, draft_seconds: float | None) -> bool:
+    """Whether running a draft model this step is expected to pay: the tokens all its proposals
+    would bring (`gains` as in `plan_drafts`, every request at its full room) against the draft's
+    own time and the verifying step's, beside plain decoding's rate (by `_MARGIN`). The draft's and
+    the verifying step's times count as paying until measured, so that they get measured; a plain
+    step's is measured first (no draft runs until it is)."""
+    if plain_seconds is None:
+        return False
+    if verify_seconds is None or draft_seconds is None:
+        return True
+    expected = num_decoding + sum(map(sum, gains))
+    return expected / (draft_seconds + verify_seconds) >= _MARGIN * num_decoding / plain_seconds

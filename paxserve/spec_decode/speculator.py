@@ -4,6 +4,7 @@ schedule, how many of them are worth verifying (`planner`), and what verificatio
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Hashable, Iterable
 
 import numpy as np
@@ -13,8 +14,12 @@ from paxserve.spec_decode.acceptance import AcceptanceRate, DraftBackoff, SpecDe
 from paxserve.spec_decode.config import SpeculativeConfig
 from paxserve.spec_decode.draft_model import DraftModel
 from paxserve.spec_decode.ngram import NgramProposer
-from paxserve.spec_decode.planner import StepTimes, plan_drafts
+from paxserve.spec_decode.planner import StepTimes, drafting_pays, plan_drafts
 
+# Steps in a row a draft model may sit out for not paying before it runs again to be re-measured
+# (doubling, up to the maximum, while it keeps not paying).
+_DRAFT_PROBE = 32
+_MAX_DRAFT_PROBE = 1024
 # (tokens, sequences, whether it verifies) -> the program such a step runs, as `record_step` names it
 # (None: a verifying program that is not ready yet).
 StepProgram = Callable[[int, int, bool], Hashable | None]
@@ -37,6 +42,8 @@ class Speculator:
         self.engine_rate = AcceptanceRate()
         self.times = StepTimes()
         self._step_program = step_program
+        self._steps_without_draft = 0
+        self._probe_every = _DRAFT_PROBE
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set each running request's `spec_token_ids` for the next schedule: proposals for those
@@ -68,9 +75,20 @@ class Speculator:
                 candidates.append((r, room))
         if not candidates:
             return
+        prior = self.engine_rate.rate
         if self.draft is not None:
+            if not self._drafting_pays(candidates, decoding, prior):
+                for r, _ in candidates:
+                    r.spec_backoff.skipped()
+                return
+            started = time.perf_counter()
             proposals = self.draft.propose_batch([r for r, _ in candidates], [room for _, room in candidates],
                                                  self._block_ids)
+            # Its time as it is step after step: a request's first catch-up (its whole prompt), or
+            # one after steps without drafting, would count a one-off as every step's cost.
+            if self.draft.last_catch_up <= k + 1:
+                self.times.record(("draft", len(candidates)), time.perf_counter() - started)
+            self._steps_without_draft = 0
         else:
             proposals = [self.proposer.propose(np.concatenate([r.spec_prompt, np.asarray(r.output_token_ids,
                                                                                         np.int32)]), room)
@@ -83,7 +101,6 @@ class Speculator:
                 proposing.append((r, proposal))
         if not proposing:
             return
-        prior = self.engine_rate.rate
         seconds: dict[Hashable, float | None] = {}
 
         def step_time(d: int) -> float | None:
@@ -99,6 +116,28 @@ class Speculator:
             r.spec_token_ids = proposal[:count]
             if count == 0:
                 r.spec_backoff.skipped()
+
+    def _drafting_pays(self, candidates: list[tuple[Request, int]], decoding: int, prior: float) -> bool:
+        """A draft model's passes cost time whatever is accepted: run them when the proposals they
+        would bring are expected to pay for those passes and the verifying step, from the draft's
+        measured time at this batch size. After `_DRAFT_PROBE` steps (doubling while it keeps not
+        paying) they run anyway, so a workload or a machine that changes is noticed."""
+        self._steps_without_draft += 1
+        gains = [r.spec_backoff.gains(room, prior) for r, room in candidates]
+        total = sum(room for _, room in candidates)
+        plain, verify = (self._step_program(decoding + d, decoding, d > 0) for d in (0, total))
+        if verify is None:  # its program is compiling: nothing could be verified this step
+            return False
+        if drafting_pays(gains, decoding, self.times.get(plain), self.times.get(verify),
+                         self.times.get(("draft", len(candidates)))):
+            self._probe_every = _DRAFT_PROBE
+            return True
+        if self._steps_without_draft >= self._probe_every:
+            # A probe costs a catch-up over every token since the last draft: each one that finds
+            # drafting still not paying waits twice as long for the next.
+            self._probe_every = min(2 * self._probe_every, _MAX_DRAFT_PROBE)
+            return True
+        return False
 
     def record_verified(self, request: Request | None, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)

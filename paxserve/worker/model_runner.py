@@ -75,7 +75,6 @@ class ModelStep:
 
     prepared: PreparedStep
     device: "DeviceStep"
-    program: tuple = ()  # the model program it runs: (kind, tokens, sequences, block width)
 
 
 @dataclass(slots=True)
@@ -388,7 +387,7 @@ class ModelRunner:
                                                                       step.first_rows)
         if prompt is not None:
             prompt = prompt.padded(step.batch.input_ids.shape[0])
-        return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt), chosen[-1])
+        return ModelStep(step, self.dispatch(step.batch, step.sampling, prompt))
 
     def complete_model(self, step: ModelStep) -> tuple[SampledTokens, np.ndarray | None]:
         """Wait for a dispatched step, record its kept tokens in the persistent batch and return

@@ -22,7 +22,7 @@ from paxserve.core.scheduler import Scheduler, SchedulerConfig
 from paxserve.spec_decode.acceptance import AcceptanceRate, DraftBackoff, SpecDecodingStats
 from paxserve.spec_decode.config import SpeculativeConfig
 from paxserve.spec_decode.ngram import NgramProposer
-from paxserve.spec_decode.planner import StepTimes, plan_drafts
+from paxserve.spec_decode.planner import StepTimes, drafting_pays, plan_drafts
 from paxserve.worker.sampling.host_inputs import SamplingRow, build_sampling_inputs
 from paxserve.worker.sampling.sampler import SamplerState, SamplingMetadata
 from paxserve.worker.sampling.verify import kept_rows, verify
@@ -95,8 +95,9 @@ def test_the_plan_verifies_what_pays_for_its_share_of_the_step() -> None:
     likely, unlikely = DraftBackoff(accepted=9.0, tried=10.0), DraftBackoff(accepted=1.0, tried=10.0)
     gains = [likely.gains(3, 0.5), unlikely.gains(3, 0.5)]
     assert gains[0][0] > gains[0][1] > gains[0][2] > 0.6 and gains[1][0] < 0.2
-    # Unmeasured steps: every proposal is tried (and then measured).
-    assert plan_drafts(gains, 4, lambda d: None) == [3, 3]
+    # A plain step is measured first; unmeasured verifying steps are then tried (and measured).
+    assert plan_drafts(gains, 4, lambda d: None) == [0, 0]
+    assert plan_drafts(gains, 4, lambda d: 0.010 if d == 0 else None) == [3, 3]
     # Weight-bound (a GPU's small decode step): rows are free, everything goes in.
     assert plan_drafts(gains, 4, lambda d: 0.010) == [3, 3]
     # Compute-bound (this CPU): a token costs 0.4 of a decoding request's share of the step, so only
@@ -109,6 +110,12 @@ def test_the_plan_verifies_what_pays_for_its_share_of_the_step() -> None:
     assert plan_drafts(gains, 4, lambda d: 0.010 if d == 0 else math.inf) == [0, 0]
     # A gain within the estimates' noise is not taken (here 1.02x plain decoding's rate).
     assert plan_drafts([[0.5]], 4, lambda d: 0.010 * (1 + 0.1 * d)) == [0]
+    # A draft model's passes must pay too: 4 requests, 3 likely proposals each, a 10 ms plain step.
+    sure = [likely.gains(3, 0.5)] * 4
+    assert drafting_pays(sure, 4, 0.010, 0.011, 0.004)  # a small draft: 13 tokens in 15 ms beat 4 in 10 ms
+    assert not drafting_pays(sure, 4, 0.010, 0.011, 0.030)  # three passes as slow as the target's: 13 in 41 ms
+    assert drafting_pays(sure, 4, 0.010, 0.011, None)  # unmeasured: tried, then measured
+    assert not drafting_pays(sure, 4, None, 0.011, 0.004)  # but a plain step is measured first
     times = StepTimes()
     times.record("p", 5.0)  # the first step of a program (it may have compiled it) is not counted
     assert times.get("p") is None
@@ -281,14 +288,15 @@ class OracleProposer:
         return []
 
 
-class Unmeasured:
-    """Step times never measured: the plan verifies every proposal."""
+class FlatTimes:
+    """Every step takes as long, whatever it verifies, and a draft model's passes take no time: the
+    plan verifies every proposal."""
 
     def record(self, program: Any, seconds: float) -> None:
         pass
 
-    def get(self, program: Any) -> None:
-        return None
+    def get(self, program: Any) -> float:
+        return 0.0 if program[0] == "draft" else 1.0
 
 
 PROMPTS = [list(range(40, 70)) + list(range(40, 50)), [7, 8, 9] * 6, list(range(100, 112)),
@@ -336,7 +344,7 @@ def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
         prompts = PROMPTS + [p for p, _ in EXTRA]
         core._speculator.proposer = OracleProposer([p + o.outputs[0].token_ids for p, o in zip(prompts, expected)],
                                                    right)
-        core._speculator.times = Unmeasured()  # every proposal is verified, whatever this machine's step times
+        core._speculator.times = FlatTimes()  # every proposal is verified, whatever this machine's step times
         outs = engine.generate(prompts, [params] * len(PROMPTS) + [q for _, q in EXTRA], use_tqdm=False)
         for out, want in zip(outs, expected):
             assert out.outputs[0].token_ids == want.outputs[0].token_ids
@@ -375,9 +383,15 @@ def test_with_background_compiles_no_step_waits_for_a_verifying_program(tiny_dir
     engine.runner.programs.wait()
     assert any(key[0] == "verify" for key in engine.runner.programs.keys())  # asked for, compiled aside
     drafts = core.spec_stats.num_drafts
-    again = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in plain["greedy"]]
-    # This tiny model's step costs about the same for 4 tokens or 16, so right proposals pay.
+    # Later runs find the programs their steps need compiled (a run may still ask for another width,
+    # compiled for the next), and this tiny model's step costs about the same for 4 tokens or 16,
+    # so right proposals pay.
+    for _ in range(3):
+        again = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in plain["greedy"]]
+        engine.runner.programs.wait()
+        if core.spec_stats.num_drafts > drafts:
+            break
     assert core.spec_stats.num_drafts > drafts
     engine.runner.programs.close()
 
@@ -397,7 +411,7 @@ def test_a_draft_model_proposes_and_outputs_stay_plain_decodings(
     engine = Engine(str(tiny_dir), speculative_config={"model": str(tiny_dir), "num_speculative_tokens": 3},
                     **{**ARGS, **SMALL_POOL, "block_size": 8})
     core = engine.parts.core
-    core._speculator.times = Unmeasured()
+    core._speculator.times = FlatTimes()
     stats = core.spec_stats
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
         outs = engine.generate(prompts, [params] * len(PROMPTS) + [q for _, q in EXTRA], use_tqdm=False)

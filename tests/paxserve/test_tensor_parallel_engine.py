@@ -83,7 +83,7 @@ def test_a_size_the_model_cannot_take_fails_before_loading(tiny: tuple[Any, Path
 def test_speculation_at_tp_2_gives_transformers_tokens(tiny: tuple[Any, Path]) -> None:
     """Proposals verified under tensor parallelism (right for two tokens, then wrong), in the same
     small pool with chunked prompts."""
-    from tests.paxserve.test_spec_decode import OracleProposer, Unmeasured
+    from tests.paxserve.test_spec_decode import FlatTimes, OracleProposer
 
     hf, directory = tiny
     prompts = make_prompts(6, seed=7)
@@ -97,7 +97,7 @@ def test_speculation_at_tp_2_gives_transformers_tokens(tiny: tuple[Any, Path]) -
                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     core = engine.parts.core
     core._speculator.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)], right=2, vocab_size=VOCAB)
-    core._speculator.times = Unmeasured()
+    core._speculator.times = FlatTimes()
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True),
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs
