@@ -154,8 +154,14 @@ def test_speculative_decoding_gives_transformers_tokens(hf, hf_greedy) -> None:
 
     hf_model, _ = hf
     prompts, refs = hf_greedy
+    from tests.paxserve.test_spec_decode import FlatTimes
+
     engine = Engine(max_model_len=512, max_num_seqs=8, warmup=False, log_stats_interval=0, compilation_cache_dir="",
-                    kv_cache_memory_bytes=64 * 2**20, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+                    kv_cache_memory_bytes=64 * 2**20, compile_in_background=False,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    # Every proposal verified, whatever this machine's step times (the plan weighs them on a real
+    # server; under a loaded test run it may rightly verify none).
+    engine.parts.core._speculator.times = FlatTimes()
     passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly "
                "quick daft zebras jump. The five boxing wizards jump quickly.")
     grounded = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(

@@ -423,3 +423,14 @@ def test_a_draft_model_proposes_and_outputs_stay_plain_decodings(
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # the sampled rows rejected some
     assert core.stats.preemptions > 0
     assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
+    # The counters a server's /metrics shows, with vLLM's names.
+    from paxserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny", 96)
+    metrics.update_engine(core.snapshot().as_dict())
+    text = metrics.render().decode()
+    for name, value in (("num_drafts", stats.num_drafts), ("num_draft_tokens", stats.num_draft_tokens),
+                        ("num_accepted_tokens", stats.num_accepted_tokens)):
+        assert f'paxserve:spec_decode_{name}_total{{model_name="tiny"}} {float(value)}' in text, name
+    assert (f'paxserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} '
+            f'{float(stats.accepted_per_position[0])}') in text
