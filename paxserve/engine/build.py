@@ -38,7 +38,14 @@ from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight,
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, device_share, param_bytes
 from paxserve.spec_decode.draft_model import DraftModel
-from paxserve.worker.memory_plan import DeviceMemory, KVCachePlan, configure_allocator, device_memory, plan_kv_cache
+from paxserve.worker.memory_plan import (
+    DeviceMemory,
+    KVCachePlan,
+    configure_allocator,
+    device_memory,
+    kv_bytes_per_block,
+    plan_kv_cache,
+)
 from paxserve.worker.model_runner import ModelRunner, zero_kv_cache
 from paxserve.worker.sampling.sampler import SamplerState
 from paxserve.worker.step_functions import StepShapes, measure_activation_bytes
@@ -124,11 +131,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # every width, its KV heads): the host side then sees one cache of num_blocks blocks.
     local_cfg = info.config if tp is None else tp.local
     kv_dtype = info.dtype if config.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[config.kv_cache_dtype]
-    attention_backend = resolve_attention_backend(
-        config.attention_backend, jax.devices()[0].platform, num_heads=local_cfg.num_heads,
-        num_kv_heads=local_cfg.num_kv_heads, head_dim=local_cfg.head_dim, block_size=config.block_size,
-        dtype=info.dtype, sliding_window=local_cfg.sliding_window, alibi=local_cfg.alibi,
-        compute_capability=getattr(jax.local_devices()[0], "compute_capability", None), kv_dtype=kv_dtype)
+    attention_backend = _attention_backend(config, local_cfg, info.dtype, kv_dtype)
     logger.info("attention: %s (%s)", attention_backend.describe(), attention_backend)
     spec = config.speculative_config
     draft_info = _inspect_draft(config, info) if spec is not None and spec.method == "draft_model" else None
@@ -187,6 +190,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return parts
 
 
+def _attention_backend(config: EngineConfig, cfg: Any, dtype: Any, kv_dtype: Any) -> AttentionBackend:
+    """The attention implementation for a model of `cfg` (one device's share) on this device."""
+    return resolve_attention_backend(
+        config.attention_backend, jax.devices()[0].platform, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, block_size=config.block_size, dtype=dtype, sliding_window=cfg.sliding_window,
+        alibi=cfg.alibi, compute_capability=getattr(jax.local_devices()[0], "compute_capability", None),
+        kv_dtype=kv_dtype)
+
+
 def _inspect_draft(config: EngineConfig, info: ModelInfo) -> ModelInfo:
     """The draft model's shapes, checked against the target's before anything loads."""
     spec = config.speculative_config
@@ -212,11 +224,7 @@ def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner
                          f"positions, fewer than max_model_len={plan.max_model_len}: lower --max-model-len")
     model = load_model(spec.model, config.dtype)
     cfg = model.config
-    backend = resolve_attention_backend(
-        config.attention_backend, jax.devices()[0].platform, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, block_size=config.block_size, dtype=model.dtype, sliding_window=cfg.sliding_window,
-        alibi=cfg.alibi, compute_capability=getattr(jax.local_devices()[0], "compute_capability", None),
-        kv_dtype=model.dtype)
+    backend = _attention_backend(config, cfg, model.dtype, model.dtype)
     logger.info("speculative decoding: the draft model %s (%s, %d layers, %.2f GiB) proposes up to %d tokens "
                 "greedily before each step; its KV pages share the target's blocks (%d slots of lookahead per "
                 "request); proposals are verified as many as measured step times say pay",
@@ -312,7 +320,7 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
     draft_per_block = 0
     if draft is not None:
         weight_bytes += draft.weight_bytes
-        draft_per_block = DraftModel.bytes_per_block(draft.config, config.block_size, draft.dtype.itemsize)
+        draft_per_block = kv_bytes_per_block(draft.config, config.block_size, draft.dtype.itemsize)
     plan = plan_kv_cache(local_cfg, config, kv_dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
                          num_devices=num_devices, sampler_state_bytes=sampler_bytes,
                          pool_bytes=None if memory is None else memory.pool_bytes,

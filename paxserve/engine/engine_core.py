@@ -219,8 +219,7 @@ class EngineCore:
         if (t, s) not in memo:
             if "widest" not in memo:
                 memo["widest"] = max((self.kv.num_blocks(r.request_id) for r in self.scheduler.running), default=1)
-            key = self.runner.ready_verify_program(num_tokens, num_seqs, max(1, memo["widest"]),
-                                                   self.speculative.num_speculative_tokens)
+            key = self.runner.ready_verify_program(num_tokens, num_seqs, max(1, memo["widest"]))
             memo[(t, s)] = None if key is None else ("verify", t, s)
         return memo[(t, s)]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -151,8 +151,3 @@ class DraftModel:
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
             attention_metadata(batch), jnp.zeros((1,), jnp.int32), jnp.full(batch.input_ids.shape, -1, jnp.int32))
         return np.asarray(_argmax(logits))[:n].tolist()
-
-    @staticmethod
-    def bytes_per_block(cfg: Any, block_size: int, itemsize: int) -> int:
-        """The draft cache's share of one block (K and V, every layer)."""
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize

@@ -21,7 +21,7 @@ import numpy as np
 
 from paxserve.core.scheduler import NewRequestData, ScheduledRequest
 from paxserve.worker.sampling.host_inputs import NO_DRAFT, SamplingColumns, SamplingInputs, SamplingRow, needs_state
-from paxserve.worker.step_inputs import Batch, assemble_batch
+from paxserve.worker.step_inputs import Batch, assemble_batch, verify_rows
 
 # (tokens, sequences, widest block table) -> their padded sizes: the model runner's buckets.
 Buckets = Callable[[int, int, int], tuple[int, int, int]]
@@ -75,8 +75,8 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, vocab_size: int,
                  num_spec_tokens: int = 0) -> None:
-        """`num_spec_tokens`: speculative decoding's k (a verifying step has 1 + k logits rows per
-        sequence); 0 without speculation."""
+        """`num_spec_tokens`: speculative decoding's k (a verifying sequence has at most 1 + k
+        logits rows); 0 without speculation."""
         if max_num_seqs < 1:
             raise ValueError(f"InputBatch: max_num_seqs must be >= 1, got {max_num_seqs}")
         if num_spec_tokens < 0:
@@ -198,8 +198,7 @@ class InputBatch:
         then its proposals), one sequence after another. The rows are padded to min(tokens, sequences
         x (1 + k)), the bucket's (never fewer than the rows: each row is a fed token). The batch's
         logits indices become those rows'."""
-        s_pad, t_pad = batch.context_lens.shape[0], batch.input_ids.shape[0]
-        num_rows = min(t_pad, s_pad * self.verify_width)
+        num_rows = verify_rows(batch.input_ids.shape[0], batch.context_lens.shape[0], self.verify_width)
         num_drafts = np.fromiter(map(len, drafts), np.int32, len(drafts))
         starts = np.concatenate([[0], np.cumsum(1 + num_drafts)]).astype(np.int32)
         real = int(starts[-1])

@@ -269,8 +269,7 @@ class ModelRunner:
         return [key for key in self.programs.keys() if key[0] in kinds and key[1] >= t and key[2] >= s
                 and key[3] >= b and key[1] * key[2] * key[3] <= _COVER_COST * t * s * b]
 
-    def ready_verify_program(self, num_tokens: int, num_seqs: int, widest: int,
-                             num_spec_tokens: int) -> tuple[str, int, int, int] | None:
+    def ready_verify_program(self, num_tokens: int, num_seqs: int, widest: int) -> tuple[str, int, int, int] | None:
         """The verifying program a step of this size would run without waiting for a compile (its
         own, or the cheapest that covers it), or None: its own is then queued for the background,
         so speculation can use it once it is ready rather than stall a step compiling it. Without
@@ -284,7 +283,7 @@ class ModelRunner:
             if key is None or key[1:] != exact:
                 self.programs.compile_later(("verify", *exact))
         if key is not None and self.programs.background:
-            rows = min(key[1], key[2] * (1 + num_spec_tokens))
+            rows = self.shapes.verify_rows(key[1], key[2])
             if ("verify_sample", rows) not in self.programs:
                 self.programs.compile_later(("verify_sample", rows))
                 return None

@@ -35,14 +35,14 @@ from paxserve.worker.sampling.sampler import (
     write_state_rows,
 )
 from paxserve.worker.sampling.verify import verify
-from paxserve.worker.step_inputs import Batch
+from paxserve.worker.step_inputs import Batch, verify_rows
 
 logger = logging.getLogger(__name__)
 
 STATIC = ("cfg", "attention_backend", "tp")
 # The model programs, keyed (kind, tokens, sequences, block width): a plain step, a pure-decode step
 # (the backend's decode-only kernel), a step with logits at every position (prompt logprobs) and a
-# verifying step (speculative decoding: 1 + k logits rows per sequence).
+# verifying step (speculative decoding: a logits row per sequence and per proposal it feeds).
 FORWARD_KINDS = ("forward", "decode", "all_logits", "verify")
 
 
@@ -138,16 +138,15 @@ class StepShapes:
     quantization: Any = None  # the WeightQuantization the linear weights were loaded with, if any
     kv_dtype: Any = None  # the KV cache's dtype when it is not the model's (fp8)
     matmul_kernel: Any = None  # the MatmulKernel quantized weights run on (None: XLA's matmul)
-    num_spec_tokens: int = 0  # speculative decoding's k: a verifying step has 1 + k logits rows per sequence
+    num_spec_tokens: int = 0  # speculative decoding's k: a sequence verifies at most k proposals
 
     @property
     def verify_width(self) -> int:
         return 1 + self.num_spec_tokens
 
     def verify_rows(self, t: int, s: int) -> int:
-        """A verifying program's logits rows for t tokens of s sequences: every fed token may be a
-        row, and no sequence has more than 1 + k (`InputBatch` pads to the same number)."""
-        return min(t, s * self.verify_width)
+        """A verifying program's logits rows for t tokens of s sequences (`InputBatch` pads to them)."""
+        return verify_rows(t, s, self.verify_width)
 
     @property
     def _replicated(self) -> Any:

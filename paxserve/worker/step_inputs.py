@@ -57,6 +57,12 @@ class Batch:
     program: str = "forward"
 
 
+def verify_rows(num_tokens: int, num_seqs: int, width: int) -> int:
+    """A verifying step's padded logits rows for its token and sequence buckets: every fed token may
+    be a row, and no sequence has more than `width` (1 + k)."""
+    return min(num_tokens, num_seqs * width)
+
+
 def next_power_of_2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
