@@ -99,10 +99,13 @@ def forward(
     cfg: ModelConfig,
     attention_backend: AttentionBackend = REFERENCE,
     tp: TensorParallel | None = None,
-) -> tuple[Float[Array, "S V"], KVCache]:
+    aux_layers: tuple[int, ...] = (),
+) -> tuple[Float[Array, "S V"], KVCache] | tuple[Float[Array, "S V"], KVCache, Float[Array, "T A"]]:
     """Run a flattened ragged batch of new tokens; return float32 logits at
     `metadata.logits_indices` and the updated cache. `attention_backend` (static) picks the
-    attention implementation: the XLA reference by default, or the Pallas kernel.
+    attention implementation: the XLA reference by default, or the Pallas kernel. With
+    `aux_layers` (static; an EAGLE-3 head reads them), also the residual stream entering each of
+    those layers at every token, side by side ([T, len(aux_layers) x hidden]).
 
     With `tp`, this runs on one device inside `shard_map` (models/sharding.py): `cfg` and `params`
     are that device's share, the row-parallel products are summed over `tp.axis`, and the
@@ -130,6 +133,8 @@ def forward(
     if windows is not None:
         scanned["window"] = jnp.asarray(windows)
     scanned |= {name: jnp.asarray(value) for name, value in mlp_slots(cfg).items()}
+    if aux_layers:  # which of the kept streams each layer's input is (a layer may be named twice)
+        scanned["aux"] = jnp.asarray(np.arange(cfg.num_layers)[:, None] == np.asarray(aux_layers)[None, :])
     fp8 = kv_cache.fp8
     if fp8 is not None:  # each layer's K and V scales
         scanned |= {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
@@ -181,23 +186,33 @@ def forward(
 
         return jax.lax.cond(xs["is_moe"], sparse, dense_layer, h)  # only the layer's own kind runs
 
-    def layer(carry: tuple[Array, Array, Array], xs: tuple[LayerParams, dict[str, Array]]):
-        x, k_cache, v_cache = carry
+    def layer(carry: tuple[Array, ...], xs: tuple[LayerParams, dict[str, Array]]):
+        x, k_cache, v_cache, *aux = carry
         p, per_layer = xs
+        if aux:
+            aux = [jnp.where(per_layer["aux"][:, None, None], x[None], aux[0])]
+        x, k_cache, v_cache = block(p, per_layer, x, k_cache, v_cache)
+        return (x, k_cache, v_cache, *aux), None
+
+    def block(p: LayerParams, per_layer: dict[str, Array], x: Array, k_cache: Array, v_cache: Array
+              ) -> tuple[Array, Array, Array]:
         h = norm(cfg.norm, x, p.attn_norm, p.attn_norm_b, eps)
         a, k_cache, v_cache = attend(p, h, k_cache, v_cache, per_layer)
         if cfg.parallel != "none":  # attention and MLP both read the layer input
             m_in = h if cfg.parallel == "shared_norm" else norm(cfg.norm, x, p.mlp_norm, p.mlp_norm_b, eps)
-            return (x + a + ffn(p, m_in, per_layer), k_cache, v_cache), None
+            return x + a + ffn(p, m_in, per_layer), k_cache, v_cache
         if cfg.sandwich_norm:
             a = norm(cfg.norm, a, p.post_attn_norm, None, eps)
         x = x + a
         m = ffn(p, norm(cfg.norm, x, p.mlp_norm, p.mlp_norm_b, eps), per_layer)
         if cfg.sandwich_norm:
             m = norm(cfg.norm, m, p.post_mlp_norm, None, eps)
-        return (x + m, k_cache, v_cache), None
+        return x + m, k_cache, v_cache
 
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (params.layers, scanned))
+    carry = (x, kv_cache.k, kv_cache.v)
+    if aux_layers:
+        carry += (jnp.zeros((len(aux_layers), *x.shape), x.dtype),)
+    (x, k_cache, v_cache, *aux), _ = jax.lax.scan(layer, carry, (params.layers, scanned))
     h = norm(cfg.norm, x[metadata.logits_indices], params.final_norm, params.final_norm_b, eps)
     head = params.lm_head
     if isinstance(head, GroupQuantizedWeight):  # kept quantized: its own kernel, or dequantized by XLA
@@ -211,6 +226,8 @@ def forward(
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     if tp is not None and tp.vocab_parallel:  # each device holds one slice of the vocabulary
         logits = jax.lax.all_gather(logits, tp.axis, axis=1, tiled=True)
+    if aux_layers:
+        return logits, kv_cache.replace(k=k_cache, v=v_cache), aux[0].transpose(1, 0, 2).reshape(num_tokens, -1)
     return logits, kv_cache.replace(k=k_cache, v=v_cache)
 
 

@@ -37,7 +37,9 @@ from paxserve.models.param_cache import cache_root
 from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, with_matmul_kernel
 from paxserve.models.registry import get_architecture
 from paxserve.models.sharding import TensorParallel, device_share, param_bytes
+from paxserve.models.eagle3 import Eagle3Config, inspect_eagle3, load_eagle3
 from paxserve.spec_decode.draft_model import DraftModel
+from paxserve.spec_decode.eagle3 import Eagle3Proposer
 from paxserve.worker.memory_plan import (
     DeviceMemory,
     KVCachePlan,
@@ -135,7 +137,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     logger.info("attention: %s (%s)", attention_backend.describe(), attention_backend)
     spec = config.speculative_config
     draft_info = _inspect_draft(config, info) if spec is not None and spec.method == "draft_model" else None
-    plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster, kv_dtype, draft_info)
+    eagle_info = _inspect_eagle3(config, info) if spec is not None and spec.method == "eagle3" else None
+    plan, activation_bytes = _plan_memory(config, info, tp, attention_backend, channel, cluster, kv_dtype, draft_info,
+                                          eagle_info)
     numerics = NumericsPlan.make(config, info, tp, None if kv_dtype == info.dtype else kv_dtype, _device_memory())
     keep_unquantized = numerics.needs_unquantized
     # The cache is zeroed on a thread while the weights load (the two take about as long on a CPU);
@@ -156,8 +160,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
     kv = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, plan.max_model_len,
-                                          num_lookahead_tokens=0 if draft_info is None else
-                                          spec.num_speculative_tokens), kv)
+                                          num_lookahead_tokens=0 if draft_info is None and eagle_info is None
+                                          else spec.num_speculative_tokens), kv)
     is_worker = cluster is not None and cluster.rank != 0
     if spec is not None and spec.method == "ngram":
         logger.info("speculative decoding: n-gram proposals of up to %d tokens (n-grams of %d-%d tokens looked up in "
@@ -170,12 +174,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          kv_cache=None if kv_zeroing is None else kv_zeroing.result(),
                          kv_cache_dtype=kv_dtype, kv_scales=kv_scales,
                          plan_sink=channel.send if channel is not None and not is_worker else None,
-                         num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
+                         num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
+                         aux_layers=() if eagle_info is None else eagle_info[0].aux_layers)
     draft = None if draft_info is None else _load_draft(config, draft_info, plan, runner, max_num_batched_tokens)
+    eagle = None if eagle_info is None else _load_eagle3(config, model, plan, runner)
     stats = StatsLogger(config.log_stats_interval)
     core = EngineCore(runner, kv, scheduler, model.config.vocab_size, stats,
                       async_scheduling=_async_scheduling(config), isolate_failed_steps=cluster is None,
-                      speculative=spec, draft=draft)
+                      speculative=spec, draft=draft, eagle=eagle)
     # Chat templates render in killable processes (started on the first chat request): a template
     # that runs past its limit is stopped whatever it does.
     input_processor = InputProcessor(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
@@ -214,6 +220,31 @@ def _inspect_draft(config: EngineConfig, info: ModelInfo) -> ModelInfo:
                          f"tokens, the target model {info.config.vocab_size}: a draft model must share the target's "
                          "vocabulary (the same tokenizer)")
     return draft
+
+
+def _inspect_eagle3(config: EngineConfig, info: ModelInfo) -> tuple[Eagle3Config, int]:
+    """An EAGLE-3 head's config and weight bytes, checked against the target's before anything loads."""
+    spec = config.speculative_config
+    if config.tensor_parallel_size > 1 or config.nnodes > 1:
+        raise ValueError("speculative_config: an EAGLE-3 head runs on a single device for now; it cannot be used "
+                         "with --tensor-parallel-size or --nnodes above 1 (n-gram speculation can)")
+    try:
+        return inspect_eagle3(spec.model, info.config, info.dtype.itemsize)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model={spec.model!r} cannot serve as an EAGLE-3 head: {e}") from e
+
+
+def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: ModelRunner) -> Eagle3Proposer:
+    spec = config.speculative_config
+    cfg, params = load_eagle3(spec.model, model.config, model.dtype)
+    logger.info("speculative decoding: the EAGLE-3 head %s (%d-token draft vocabulary, reading the inputs of target "
+                "layers %s) proposes up to %d tokens greedily before each step: the first from its catch-up pass over "
+                "the last step's positions, each further one from a pass of its own; its one-layer KV pages share the "
+                "target's blocks (%d slots of lookahead per request)", spec.model, cfg.draft_vocab_size,
+                list(cfg.aux_layers), spec.num_speculative_tokens, spec.num_speculative_tokens)
+    backend = _attention_backend(config, cfg.layer, model.dtype, model.dtype)
+    return Eagle3Proposer(cfg, params, model.params.embed, plan.num_blocks, config.block_size, backend,
+                          runner.fine_buckets)
 
 
 def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner: ModelRunner,
@@ -282,9 +313,10 @@ def _device_memory() -> DeviceMemory | None:
 
 def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None, backend: AttentionBackend,
                  channel: PlanChannel | None, cluster: Cluster | None, kv_dtype: Any,
-                 draft: ModelInfo | None = None) -> tuple[KVCachePlan, int]:
+                 draft: ModelInfo | None = None, eagle: tuple[Eagle3Config, int] | None = None
+                 ) -> tuple[KVCachePlan, int]:
     """The KV cache plan (and the activation bytes it reserved), before the weights load. A draft
-    model's weights and cache pages count too."""
+    model's or EAGLE-3 head's weights and cache pages count too."""
     arch = get_architecture(info.config.architecture)
     local_cfg = info.config if tp is None else tp.local
     weight_bytes = info.weight_bytes if tp is None else param_bytes(device_share(
@@ -300,7 +332,8 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
         model_len = config.max_model_len if isinstance(config.max_model_len, int) else \
             info.config.max_position_embeddings
         shapes = StepShapes(info.config, arch, info.dtype, config.block_size, 2, config.max_num_seqs + 1, backend, tp,
-                            info.quantization, None if kv_dtype == info.dtype else kv_dtype)
+                            info.quantization, None if kv_dtype == info.dtype else kv_dtype,
+                            aux_layers=() if eagle is None else eagle[0].aux_layers)
         activation_bytes = measure_activation_bytes(
             shapes, config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
             -(-model_len // config.block_size))
@@ -321,6 +354,9 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
     if draft is not None:
         weight_bytes += draft.weight_bytes
         draft_per_block = kv_bytes_per_block(draft.config, config.block_size, draft.dtype.itemsize)
+    if eagle is not None:
+        weight_bytes += eagle[1]
+        draft_per_block = kv_bytes_per_block(eagle[0].layer, config.block_size, info.dtype.itemsize)
     plan = plan_kv_cache(local_cfg, config, kv_dtype.itemsize, weight_bytes, device_bytes, activation_bytes,
                          num_devices=num_devices, sampler_state_bytes=sampler_bytes,
                          pool_bytes=None if memory is None else memory.pool_bytes,

@@ -31,6 +31,7 @@ from paxserve.engine.stats import StatsLogger
 from paxserve.spec_decode.acceptance import SpecDecodingStats
 from paxserve.spec_decode.config import SpeculativeConfig
 from paxserve.spec_decode.draft_model import DraftModel
+from paxserve.spec_decode.eagle3 import Eagle3Proposer
 from paxserve.spec_decode.speculator import Speculator
 from paxserve.worker.model_runner import ModelRunner, ModelStep
 from paxserve.worker.sampling.host_inputs import SampledTokens, constrained_rows
@@ -62,12 +63,14 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, vocab_size: int,
                  stats: StatsLogger, async_scheduling: bool = False, isolate_failed_steps: bool = True,
-                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft: DraftModel | None = None,
+                 eagle: Eagle3Proposer | None = None) -> None:
         """`isolate_failed_steps=False` (a multi-host engine): a failed step raises instead of failing
         only its requests, since the other ranks' caches and programs can no longer be kept in step.
         `speculative`: propose tokens for decoding requests and verify them in their next step (the
         runner must have been made for its number of tokens; steps then run synchronously), with
-        `draft` proposing when its method is "draft_model"."""
+        `draft` proposing when its method is "draft_model", `eagle` when it is "eagle3" (the runner
+        must then keep the head's aux hidden states)."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -94,7 +97,10 @@ class EngineCore:
                 raise ValueError(f"the model runner verifies {runner.input_batch.verify_width - 1} proposed tokens, "
                                  f"the speculative config proposes {speculative.num_speculative_tokens}: build "
                                  "both from the same config")
-            self._speculator = Speculator(speculative, self._step_program, draft, kv.block_ids)
+            if eagle is not None and runner.shapes.aux_layers != eagle.cfg.aux_layers:
+                raise ValueError(f"the model runner keeps the hidden states of layers {runner.shapes.aux_layers}, the "
+                                 f"EAGLE-3 head reads {eagle.cfg.aux_layers}: build both from the same head")
+            self._speculator = Speculator(speculative, self._step_program, draft, kv.block_ids, eagle)
             self.spec_stats = self._speculator.stats
         self._verify_programs: dict = {}
 
@@ -270,6 +276,8 @@ class EngineCore:
             return self._fail_step(out, flight.registered, e, self._live(flight))
         if self._speculator is not None:  # steps run one at a time: this was the step's whole time
             self._speculator.record_step(self._timed_program(out), time.perf_counter() - flight.started)
+            if self._speculator.eagle is not None and self.runner.aux_hidden is not None:
+                self._speculator.eagle.record_step(out.scheduled, self.runner.aux_hidden)
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)

@@ -9,9 +9,10 @@ from typing import Any
 # Beyond this a verification step feeds more tokens than a proposal is ever right about, and every
 # sequence's logits rows (1 + k of them) are paid for whether it proposed or not.
 MAX_SPECULATIVE_TOKENS = 16
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods that take a `model`
 # Named by vLLM but not built here yet: asking for them is an error that says so.
-PLANNED_METHODS = ("eagle", "eagle3", "mtp", "suffix", "medusa")
+PLANNED_METHODS = ("eagle", "mtp", "suffix", "medusa")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size"}
 
 
@@ -24,7 +25,8 @@ class SpeculativeConfig:
     """`method` "ngram": propose the tokens that followed the last earlier occurrence of the
     sequence's final n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), in the
     prompt or the output so far. "draft_model": a smaller `model` (a checkpoint directory or .gguf
-    file) of the same vocabulary proposes greedily."""
+    file) of the same vocabulary proposes greedily. "eagle3": an EAGLE-3 head (`model`: its
+    directory, config.json and safetensors) proposes greedily from the target's hidden states."""
 
     method: str
     num_speculative_tokens: int
@@ -49,8 +51,10 @@ class SpeculativeConfig:
                 raise _bad(name, value, "must be an integer >= 1")
         if self.method == "draft_model" and not self.model:
             raise _bad("model", self.model, "is required for method 'draft_model': a checkpoint directory or .gguf file")
-        if self.method != "draft_model" and self.model is not None:
-            raise _bad("model", self.model, f"is for method 'draft_model'; method {self.method!r} uses no model")
+        if self.method == "eagle3" and not self.model:
+            raise _bad("model", self.model, "is required for method 'eagle3': the head's directory")
+        if self.method not in MODEL_METHODS and self.model is not None:
+            raise _bad("model", self.model, f"is for methods {' and '.join(MODEL_METHODS)}; method {self.method!r} uses no model")
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise _bad("disable_by_batch_size", b, "must be an integer >= 1 (or absent)")

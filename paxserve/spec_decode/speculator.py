@@ -13,6 +13,7 @@ from paxserve.core.request import Request
 from paxserve.spec_decode.acceptance import AcceptanceRate, DraftBackoff, SpecDecodingStats
 from paxserve.spec_decode.config import SpeculativeConfig
 from paxserve.spec_decode.draft_model import DraftModel
+from paxserve.spec_decode.eagle3 import Eagle3Proposer
 from paxserve.spec_decode.ngram import NgramProposer
 from paxserve.spec_decode.planner import StepTimes, drafting_pays, plan_drafts
 
@@ -26,16 +27,19 @@ StepProgram = Callable[[int, int, bool], Hashable | None]
 
 
 class Speculator:
-    """`draft`: the draft model that proposes (method "draft_model"), else n-gram lookup does;
-    `block_ids`: a request's block ids, where the draft model's cache pages are."""
+    """`draft`: the draft model that proposes (method "draft_model"), `eagle` the EAGLE-3 head
+    (method "eagle3"), else n-gram lookup does; `block_ids`: a request's block ids, where a draft's
+    cache pages are."""
 
     def __init__(self, config: SpeculativeConfig, step_program: StepProgram, draft: DraftModel | None = None,
-                 block_ids: Callable[[str], list[int]] | None = None) -> None:
-        if (draft is None) != (config.method != "draft_model"):
-            raise ValueError(f"speculative method {config.method!r} {'needs' if draft is None else 'takes no'} "
-                             "draft model")
+                 block_ids: Callable[[str], list[int]] | None = None, eagle: Eagle3Proposer | None = None) -> None:
+        for method, given in (("draft_model", draft), ("eagle3", eagle)):
+            if (given is None) != (config.method != method):
+                raise ValueError(f"speculative method {config.method!r} {'needs' if given is None else 'takes no'} "
+                                 f"{method.replace('_', ' ')}")
         self.config = config
         self.draft = draft
+        self.eagle = eagle
         self._block_ids = block_ids
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodingStats()
@@ -53,6 +57,8 @@ class Speculator:
         running = list(running)
         for r in running:
             r.spec_token_ids = []
+        if self.eagle is not None:  # whatever is proposed: the head's cache must not miss a position
+            self.eagle.catch_up(running, self._block_ids)
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return
@@ -76,7 +82,16 @@ class Speculator:
         if not candidates:
             return
         prior = self.engine_rate.rate
-        if self.draft is not None:
+        if self.eagle is not None:
+            # The first proposals came with the catch-up; further ones cost a pass each.
+            pays = self._drafting_pays(candidates, decoding, prior)
+            rooms = [room if pays else 1 for _, room in candidates]
+            started = time.perf_counter()
+            proposals = self.eagle.propose_batch([r for r, _ in candidates], rooms, self._block_ids)
+            if max(rooms) > 1:
+                self.times.record(("draft", len(candidates)), time.perf_counter() - started)
+                self._steps_without_draft = 0
+        elif self.draft is not None:
             if not self._drafting_pays(candidates, decoding, prior):
                 for r, _ in candidates:
                     r.spec_backoff.skipped()

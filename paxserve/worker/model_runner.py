@@ -114,7 +114,7 @@ class ModelRunner:
                  program_store: Path | None = None, background_compile: bool = False,
                  kv_cache: KVCache | None = None, plan_sink: Callable[[tuple], None] | None = None,
                  kv_cache_dtype: np.dtype | None = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-                 num_spec_tokens: int = 0) -> None:
+                 num_spec_tokens: int = 0, aux_layers: tuple[int, ...] = ()) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
@@ -144,7 +144,9 @@ class ModelRunner:
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
                                  self.num_state_rows, attention_backend, model.tp, model.quantization,
                                  None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype,
-                                 matmul_kernel(model.params), num_spec_tokens)
+                                 matmul_kernel(model.params), num_spec_tokens, tuple(aux_layers))
+        # The last step's hidden states at `aux_layers`' inputs (an EAGLE-3 head reads them), on the device.
+        self.aux_hidden: jax.Array | None = None
         common = "|".join([environment_fingerprint(), source_fingerprint()])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),
@@ -438,24 +440,30 @@ class ModelRunner:
         self.tokens_real += batch.num_tokens
         if sampling.draft_tokens is not None:
             n = sampling.draft_tokens.shape[0]
-            logits, self.kv_cache = self._run(("verify", t, s, b), *self.forward_args(batch))
+            logits = self._forward(("verify", t, s, b), self.forward_args(batch))
             packed, self.sampler_state = self._run(("verify_sample", n), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state, jnp.asarray(sampling.draft_tokens),
                                                    jnp.asarray(sampling.earlier_drafts))
             return DeviceStep(packed, sampling.num_rows, n, None)
         if prompt is None:
-            logits, self.kv_cache = self._run((batch.program, t, s, b), *self.forward_args(batch))
+            logits = self._forward((batch.program, t, s, b), self.forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state)
             return DeviceStep(packed, batch.num_seqs, s, None)
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
         args = self.forward_args(batch)
-        logits, self.kv_cache = self._run(("all_logits", t, s, b), *args)
+        logits = self._forward(("all_logits", t, s, b), args)
         packed, self.sampler_state = self._run(("score", t, s), logits, args[4].logits_indices,
                                                self._sampling_metadata(sampling), self.sampler_state,
                                                jnp.asarray(prompt.targets))
         return DeviceStep(packed, batch.num_seqs, s, t)
+
+    def _forward(self, key: tuple, args: tuple[Any, ...]) -> jax.Array:
+        """Run a forward program: its logits (the cache, and any aux hidden states, are kept)."""
+        logits, self.kv_cache, *aux = self._run(key, *args)
+        self.aux_hidden = aux[0] if aux else None
+        return logits
 
     def collect(self, step: DeviceStep) -> tuple[SampledTokens, np.ndarray | None]:
         """Wait for a dispatched step and copy its results to the host (the step's one copy)."""

@@ -39,7 +39,7 @@ from paxserve.worker.step_inputs import Batch, verify_rows
 
 logger = logging.getLogger(__name__)
 
-STATIC = ("cfg", "attention_backend", "tp")
+STATIC = ("cfg", "attention_backend", "tp", "aux_layers")
 # The model programs, keyed (kind, tokens, sequences, block width): a plain step, a pure-decode step
 # (the backend's decode-only kernel), a step with logits at every position (prompt logprobs) and a
 # verifying step (speculative decoding: a logits row per sequence and per proposal it feeds).
@@ -47,8 +47,14 @@ FORWARD_KINDS = ("forward", "decode", "all_logits", "verify")
 
 
 def run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
-                attention_backend: AttentionBackend, tp: TensorParallel | None):
-    """The model's forward on one device, or split over the mesh under tensor parallelism."""
+                attention_backend: AttentionBackend, tp: TensorParallel | None, aux_layers: tuple[int, ...] = ()):
+    """The model's forward on one device, or split over the mesh under tensor parallelism. With
+    `aux_layers` (one device only), it also returns the hidden states an EAGLE-3 head reads."""
+    if aux_layers:
+        if tp is not None:
+            raise ValueError("an EAGLE-3 head's hidden states are kept on one device only")
+        return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend,
+                       aux_layers=aux_layers)
     if tp is None:
         return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend)
     return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend)(
@@ -62,9 +68,10 @@ def jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
     runs split over the mesh and the logits come back whole on every device."""
 
     def logits(params, kv_cache, input_ids, positions, metadata, last_token, token_source, cfg,  # noqa: ANN001, ANN202
-               attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+               attention_backend=REFERENCE, tp=None, aux_layers=()):  # noqa: ANN001
         input_ids = _with_last_tokens(input_ids, last_token, token_source)
-        return run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp)
+        return run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp,
+                           aux_layers)
 
     return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
 
@@ -82,10 +89,11 @@ def jitted_all_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     def logits(params, kv_cache, input_ids: Int[Array, " T"], positions: Int[Array, " T"],  # noqa: ANN001, ANN202
                metadata: AttentionMetadata, last_token: Int[Array, " R"], token_source: Int[Array, " T"],
-               cfg, attention_backend=REFERENCE, tp=None):  # noqa: ANN001
+               cfg, attention_backend=REFERENCE, tp=None, aux_layers=()):  # noqa: ANN001
         input_ids = _with_last_tokens(input_ids, last_token, token_source)
         every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
-        return run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp)
+        return run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp,
+                           aux_layers)
 
     return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
 
@@ -139,6 +147,7 @@ class StepShapes:
     kv_dtype: Any = None  # the KV cache's dtype when it is not the model's (fp8)
     matmul_kernel: Any = None  # the MatmulKernel quantized weights run on (None: XLA's matmul)
     num_spec_tokens: int = 0  # speculative decoding's k: a sequence verifies at most k proposals
+    aux_layers: tuple[int, ...] = ()  # forwards also return these layers' input streams (an EAGLE-3 head's)
 
     @property
     def verify_width(self) -> int:
@@ -202,12 +211,15 @@ class StepShapes:
         if kind.startswith("verify"):
             common += f"|{self.verify_width}"
         if kind in FORWARD_KINDS:
+            if self.aux_layers:
+                common += f"|aux{self.aux_layers}"
             return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"
 
     def statics(self, kind: str = "forward") -> dict[str, Any]:
         backend = replace(self.attention_backend, pure_decode=True) if kind == "decode" else self.attention_backend
-        return dict(cfg=self.cfg, attention_backend=backend, tp=self.tp)
+        statics = dict(cfg=self.cfg, attention_backend=backend, tp=self.tp)
+        return statics | ({"aux_layers": self.aux_layers} if self.aux_layers and kind in FORWARD_KINDS else {})
 
     def spec(self, key: tuple[Any, ...]) -> tuple[Callable[[], Any], tuple[Any, ...], Any]:
         """(lower, arguments, example output) of the program `key` names (see `programs`)."""
@@ -221,6 +233,8 @@ class StepShapes:
             args = self.forward_args(t, s, b, rows if kind == "verify" else None)
             fn = jitted_all_logits if kind == "all_logits" else jitted_logits
             out = (_shape((rows, vocab), jnp.float32, self._replicated), args[1])
+            if self.aux_layers:
+                out += (_shape((t, len(self.aux_layers) * self.cfg.hidden_size), self.dtype),)
             return (lambda: fn(self.architecture.forward).lower(*args, **self.statics(kind))), args, out
         if kind == "sample":
             (s,) = sizes

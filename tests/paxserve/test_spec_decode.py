@@ -42,7 +42,7 @@ def test_the_config_reads_vllm_json_and_names_what_is_wrong() -> None:
            ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
            ({"method": "ngram"}, "num_speculative_tokens"),
            ({"method": "magic", "num_speculative_tokens": 2}, "method"),
-           ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not available"),
+           ({"method": "mtp", "num_speculative_tokens": 2}, "not available"),
            ({"method": "draft_model", "num_speculative_tokens": 2}, "model.* is required"),
            ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2}, "uses no model"),
            ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),

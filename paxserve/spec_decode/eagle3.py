@@ -1,0 +1,146 @@
+"""EAGLE-3 proposals: a one-layer head (`models.eagle3`) that reads the target's own hidden states.
+
+The target's step programs also return the residual streams entering three of its layers at every
+position they compute (`aux_layers`). Before each schedule, one ragged pass of the head catches up
+on the positions the last step computed and kept (a verifying step's rejected positions are left
+out), for every request in that step, so its one-layer cache never misses a position the target
+computed; for a request that decodes next, that pass's last output is its first proposal, at no
+further cost. Each further proposal is one single-token pass that reads the head's own previous
+output in place of a target hidden state. Proposals are greedy (one token each), which is what
+`sampling.verify`'s acceptance rule is exact for.
+
+The head's cache pages are the target's block ids (the scheduler allocates k slots of lookahead for
+the pages of further proposals), so preemption and the end of a request free both at once. Only
+speed depends on that cache: verification decides every kept token.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxserve.core.scheduler import ScheduledRequest
+from paxserve.core.request import Request
+from paxserve.kernels import AttentionBackend, KVCache
+from paxserve.models.eagle3 import Eagle3Config, Eagle3Params, eagle3_forward
+from paxserve.worker.step_functions import attention_metadata
+from paxserve.worker.step_inputs import assemble_batch, bucket_size, next_power_of_2
+
+logger = logging.getLogger(__name__)
+
+_take = jax.jit(lambda rows, index: rows[index])
+
+
+class Eagle3Proposer:
+    """`target_embed`: the target's embedding table (a head without its own reads it)."""
+
+    def __init__(self, cfg: Eagle3Config, params: Eagle3Params, target_embed: jax.Array, num_blocks: int,
+                 block_size: int, attention_backend: AttentionBackend, fine_buckets: bool) -> None:
+        self.cfg = cfg
+        self.params = params
+        self.target_embed = target_embed
+        self.block_size = block_size
+        self.fine_buckets = fine_buckets
+        c = cfg.layer
+        self.kv_cache = KVCache.zeros(1, num_blocks, block_size, c.num_kv_heads, c.head_dim, params.final_norm.dtype)
+        self._forward = jax.jit(partial(eagle3_forward, cfg=cfg, attention_backend=attention_backend),
+                                donate_argnums=(2,))
+        self._shapes: set[tuple[int, int, int, int]] = set()
+        # The last target step: its aux hidden states and, per request, (first position, first row, rows).
+        self._aux: jax.Array | None = None
+        self._rows: dict[str, tuple[int, int, int]] = {}
+        # After a catch-up: per request that decodes next, (its first proposal, its row in `_hidden`).
+        self._first: dict[str, tuple[int, int]] = {}
+        self._hidden: jax.Array | None = None
+
+    def record_step(self, scheduled: list[ScheduledRequest], aux: jax.Array) -> None:
+        """A target step's aux hidden states [T, 3 x hidden], its rows in `scheduled`'s order."""
+        self._aux, self._rows, offset = aux, {}, 0
+        for s in scheduled:
+            self._rows[s.request_id] = (s.num_computed_tokens, offset, s.num_new_tokens)
+            offset += s.num_new_tokens
+
+    def catch_up(self, running: list[Request], block_ids: Callable[[str], list[int]]) -> None:
+        """Feed the head the positions the last step computed and kept (each at most once)."""
+        self._first, self._hidden = {}, None
+        rows, self._rows = self._rows, {}
+        live = []
+        for r in running:
+            if r.request_id not in rows:
+                continue
+            first, offset, count = rows[r.request_id]
+            # Positions whose next token is known: verification may have kept fewer than were fed.
+            kept = min(count, r.num_computed_tokens - first, r.num_tokens - 1 - first)
+            if kept > 0:
+                live.append((r, first, offset, kept))
+        if not live or self._aux is None:
+            return
+        index = np.concatenate([np.arange(offset, offset + kept, dtype=np.int32) for _, _, offset, kept in live])
+        tokens = [t for r, first, _, kept in live for t in r.token_ids_slice(first + 1, first + kept + 1)]
+        t_pad = bucket_size(len(index), self.fine_buckets)
+        hidden = _take(self._aux, jnp.asarray(np.pad(index, (0, t_pad - len(index)))))
+        self._aux = None
+        out, x = self._run([r for r, *_ in live], [first for _, first, _, _ in live], [k for *_, k in live], tokens,
+                           hidden, t_pad, block_ids)
+        self._hidden = x
+        for i, (r, first, _, kept) in enumerate(live):
+            if first + kept == r.num_tokens - 1:  # its output predicts the token after the last
+                self._first[r.request_id] = (out[i], i)
+
+    def propose_batch(self, requests: list[Request], rooms: list[int],
+                      block_ids: Callable[[str], list[int]]) -> list[list[int]]:
+        """Up to `rooms[i]` greedy proposals for each request (the first from the catch-up; a room of
+        1 costs no pass)."""
+        tokens, at, rooms = [], [], list(rooms)
+        for i, r in enumerate(requests):
+            token, row = self._first.get(r.request_id, (None, 0))
+            tokens.append([] if token is None else [token])
+            at.append(row)
+            # Further proposals write pages up to the last fed proposal's position, in the request's
+            # own blocks (the scheduler's lookahead makes them there); never past them.
+            limit = len(block_ids(r.request_id)) * self.block_size - r.num_tokens + 2
+            rooms[i] = 0 if token is None else min(rooms[i], limit)
+        hidden = self._hidden
+        for step in range(1, max(rooms, default=0)):
+            live = [i for i, room in enumerate(rooms) if room > step]
+            n = len(live)
+            s_pad = bucket_size(n, self.fine_buckets)
+            source = _take(hidden, jnp.asarray(np.pad(np.asarray([at[i] for i in live], np.int32), (0, s_pad - n))))
+            out, hidden = self._run([requests[i] for i in live], [requests[i].num_tokens - 2 + step for i in live],
+                                    [1] * n, [tokens[i][-1] for i in live], source, s_pad, block_ids)
+            for j, i in enumerate(live):
+                tokens[i].append(out[j])
+                at[i] = j
+        return [t[:room] for t, room in zip(tokens, rooms)]
+
+    def _run(self, requests: list[Request], starts: list[int], counts: list[int], tokens: list[int],
+             hidden: jax.Array, t_pad: int, block_ids: Callable[[str], list[int]]) -> tuple[list[int], jax.Array]:
+        """One pass of the head: each request feeds `counts[i]` tokens at positions from `starts[i]`
+        (`hidden` [t_pad, ...] their hidden states, in order). The greedy token after each request's
+        last, and the head's output there ([S_pad, H], left on the device)."""
+        n = len(requests)
+        num_computed = np.asarray(starts, np.int32)
+        num_new = np.asarray(counts, np.int32)
+        need = -(-(num_computed + num_new) // self.block_size)
+        widest = int(need.max())
+        table = np.zeros((n, widest), np.int32)
+        for i, r in enumerate(requests):
+            blocks = np.asarray(block_ids(r.request_id), np.int32)[:widest]
+            table[i, :blocks.shape[0]] = blocks
+        s_pad, b_pad = bucket_size(n, self.fine_buckets), next_power_of_2(widest)
+        batch = assemble_batch(np.asarray(tokens, np.int32), num_computed, num_new, table, need.astype(np.int32),
+                               self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
+        shape = (t_pad, s_pad, b_pad, int(hidden.shape[-1]))
+        if shape not in self._shapes:
+            self._shapes.add(shape)
+            logger.info("EAGLE-3 head: first pass of shape %s (tokens, sequences, block width, hidden width); %d so far",
+                        shape, len(self._shapes))
+        out, x, self.kv_cache = self._forward(self.params, self.target_embed, self.kv_cache,
+                                              jnp.asarray(batch.input_ids), hidden, jnp.asarray(batch.positions),
+                                              attention_metadata(batch))
+        return np.asarray(out)[:n].tolist(), x
