@@ -1,9 +1,12 @@
 """Speculative decoding (n-gram prompt lookup) on the real bundled model, off and on side by side.
 
-    python benchmarks/spec_decode.py [--runs 3] [--max-tokens 128] [--k 2 4]
+    python benchmarks/spec_decode.py [--runs 3] [--max-tokens 128] [--k 2 4] [--eagle3-k 3]
 
 SmolLM2-135M-Instruct (the bundled GGUF, served as the CPU default serves it), greedy, at batch 1
-and 8, with n-gram lookup and with the model as its own draft, on two workloads:
+and 8, with n-gram lookup, with the model as its own draft and with an EAGLE-3 head, on two
+workloads (no EAGLE-3 head is trained for SmolLM2, and none can be fetched here: the head is random,
+in the published format with a 32000-token draft vocabulary, so its row is what a head costs when
+nothing it proposes is accepted):
 
 - grounded: "repeat this passage with its typos fixed" over passages of Python's own documentation
   (`pydoc_data.topics`, ~300 tokens each): the answer copies its prompt, which prompt lookup finds;
@@ -19,9 +22,11 @@ speculation.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -79,14 +84,47 @@ def run(engine, batch: list[list[int]], max_tokens: int) -> tuple[float, list[li
     return sum(map(len, tokens)) / seconds, tokens, per_token
 
 
+def random_eagle3_head(folder: Path, draft_vocab: int = 32000, seed: int = 0) -> Path:
+    """An EAGLE-3 head for the bundled model in the published format, every weight random."""
+    from safetensors.numpy import save_file
+
+    from paxserve.models.loader import inspect_model
+
+    cfg = inspect_model(None, "float32").config
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    rng = np.random.default_rng(seed)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": h, "intermediate_size": i,
+              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": d,
+              "num_hidden_layers": 1, "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab,
+              "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+              "max_position_embeddings": cfg.max_position_embeddings}
+    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv, 2 * h), "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, q), "midlayer.mlp.gate_proj.weight": (i, h),
+              "midlayer.mlp.up_proj.weight": (i, h), "midlayer.mlp.down_proj.weight": (h, i),
+              "lm_head.weight": (draft_vocab, h)}
+    tensors = {name: (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+               for name, shape in shapes.items()}
+    for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[name + ".weight"] = np.ones(h, np.float32)
+    tensors["d2t"] = np.zeros(draft_vocab, np.int64)  # the draft vocabulary is the target's first ids
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--k", type=int, nargs="*", default=[2, 4], help="n-gram lookup with these k (none: skip)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft-k", type=int, nargs="*", default=[4],
                         help="the model as its own draft with these k (none: skip)")
+    parser.add_argument("--eagle3-k", type=int, nargs="*", default=[3],
+                        help="a random EAGLE-3 head with these k (none: skip)")
     parser.add_argument("--workloads", nargs="+", default=["grounded", "open-ended"],
                         choices=["grounded", "open-ended"])
     args = parser.parse_args()
@@ -100,6 +138,12 @@ def main() -> None:
     # on a CPU, where the draft's passes cost what the target's do).
     settings += [(f"self k={k}", {"model": str(default_model_path()), "num_speculative_tokens": k})
                  for k in args.draft_k]
+    if args.eagle3_k:
+        import tempfile
+
+        head = random_eagle3_head(Path(tempfile.mkdtemp(prefix="eagle3-")))
+        settings += [(f"eagle3 k={k}", {"method": "eagle3", "model": str(head), "num_speculative_tokens": k})
+                     for k in args.eagle3_k]
     engines = {name: Engine(speculative_config=spec, log_stats_interval=0, max_num_seqs=8) for name, spec in settings}
     tokenizer = engines["off"].tokenizer
     print(f"{'workload':10} {'batch':>5} {'setting':>10} {'tok/s':>8} {'x off':>6} {'accept len':>10} "

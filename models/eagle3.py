@@ -203,12 +203,15 @@ def eagle3_forward(
     metadata: AttentionMetadata,
     cfg: Eagle3Config,
     attention_backend: AttentionBackend = REFERENCE,
-) -> tuple[Int[Array, " S"], Float[Array, "S H"], KVCache]:
+    with_head: bool = True,
+) -> tuple[Int[Array, " S"] | None, Float[Array, "S H"], KVCache]:
     """The head over a ragged batch: each token reads the token after its position (`input_ids`)
     and the hidden state at its position (`hidden`: the target's aux states, 3 x its width, which
     `fc` folds, or the head's own earlier output, H wide). Returns, at `metadata.logits_indices`, the
     greedy next token in the target's vocabulary and the output before `norm` (the next step's
-    hidden state), and the updated one-layer cache."""
+    hidden state), and the updated one-layer cache. Without `with_head` (static: a catch-up whose
+    proposals nobody asks for) no token is computed (None): the head's vocabulary-wide product is
+    most of a pass's cost on few tokens."""
     c = cfg.layer
     eps, n = c.rms_norm_eps, input_ids.shape[0]
     dtype = params.final_norm.dtype
@@ -234,6 +237,8 @@ def eagle3_forward(
     x = x + mlp(rms_norm(x, params.post_attn_norm, eps), params.up_w, None, params.down_w, None, act=c.hidden_act,
                 gated=True)
     x = x[metadata.logits_indices]
+    if not with_head:
+        return None, x, kv_cache.replace(k=k_cache, v=v_cache)
     logits = jnp.dot(rms_norm(x, params.final_norm, eps), params.lm_head, precision=jax.lax.Precision.HIGHEST,
                      preferred_element_type=jnp.float32)
     draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)

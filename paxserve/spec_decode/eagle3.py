@@ -49,14 +49,15 @@ class Eagle3Proposer:
         c = cfg.layer
         self.kv_cache = KVCache.zeros(1, num_blocks, block_size, c.num_kv_heads, c.head_dim, params.final_norm.dtype)
         self._forward = jax.jit(partial(eagle3_forward, cfg=cfg, attention_backend=attention_backend),
-                                donate_argnums=(2,))
-        self._shapes: set[tuple[int, int, int, int]] = set()
+                                donate_argnums=(2,), static_argnames=("with_head",))
+        self._shapes: set[tuple[int, ...]] = set()
         # The last target step: its aux hidden states and, per request, (first position, first row, rows).
         self._aux: jax.Array | None = None
         self._rows: dict[str, tuple[int, int, int]] = {}
         # After a catch-up: per request that decodes next, (its first proposal, its row in `_hidden`).
         self._first: dict[str, tuple[int, int]] = {}
         self._hidden: jax.Array | None = None
+        self.last_catch_up = 0  # positions the last catch-up fed
 
     def record_step(self, scheduled: list[ScheduledRequest], aux: jax.Array) -> None:
         """A target step's aux hidden states [T, 3 x hidden], its rows in `scheduled`'s order."""
@@ -65,9 +66,10 @@ class Eagle3Proposer:
             self._rows[s.request_id] = (s.num_computed_tokens, offset, s.num_new_tokens)
             offset += s.num_new_tokens
 
-    def catch_up(self, running: list[Request], block_ids: Callable[[str], list[int]]) -> None:
-        """Feed the head the positions the last step computed and kept (each at most once)."""
-        self._first, self._hidden = {}, None
+    def catch_up(self, running: list[Request], block_ids: Callable[[str], list[int]], wanted: set[str]) -> None:
+        """Feed the head the positions the last step computed and kept (each at most once); the
+        requests in `wanted` that decode next get their first proposal from it."""
+        self._first, self._hidden, self.last_catch_up = {}, None, 0
         rows, self._rows = self._rows, {}
         live = []
         for r in running:
@@ -81,16 +83,19 @@ class Eagle3Proposer:
         if not live or self._aux is None:
             return
         index = np.concatenate([np.arange(offset, offset + kept, dtype=np.int32) for _, _, offset, kept in live])
+        self.last_catch_up = len(index)
         tokens = [t for r, first, _, kept in live for t in r.token_ids_slice(first + 1, first + kept + 1)]
         t_pad = bucket_size(len(index), self.fine_buckets)
         hidden = _take(self._aux, jnp.asarray(np.pad(index, (0, t_pad - len(index)))))
         self._aux = None
+        # A request's output predicts the token after its last when the catch-up reached it.
+        proposing = [i for i, (r, first, _, kept) in enumerate(live)
+                     if r.request_id in wanted and first + kept == r.num_tokens - 1]
         out, x = self._run([r for r, *_ in live], [first for _, first, _, _ in live], [k for *_, k in live], tokens,
-                           hidden, t_pad, block_ids)
+                           hidden, t_pad, block_ids, with_head=bool(proposing))
         self._hidden = x
-        for i, (r, first, _, kept) in enumerate(live):
-            if first + kept == r.num_tokens - 1:  # its output predicts the token after the last
-                self._first[r.request_id] = (out[i], i)
+        for i in proposing:
+            self._first[live[i][0].request_id] = (out[i], i)
 
     def propose_batch(self, requests: list[Request], rooms: list[int],
                       block_ids: Callable[[str], list[int]]) -> list[list[int]]:
@@ -119,10 +124,11 @@ class Eagle3Proposer:
         return [t[:room] for t, room in zip(tokens, rooms)]
 
     def _run(self, requests: list[Request], starts: list[int], counts: list[int], tokens: list[int],
-             hidden: jax.Array, t_pad: int, block_ids: Callable[[str], list[int]]) -> tuple[list[int], jax.Array]:
+             hidden: jax.Array, t_pad: int, block_ids: Callable[[str], list[int]], with_head: bool = True
+             ) -> tuple[list[int], jax.Array]:
         """One pass of the head: each request feeds `counts[i]` tokens at positions from `starts[i]`
         (`hidden` [t_pad, ...] their hidden states, in order). The greedy token after each request's
-        last, and the head's output there ([S_pad, H], left on the device)."""
+        last (none without `with_head`), and the head's output there ([S_pad, H], on the device)."""
         n = len(requests)
         num_computed = np.asarray(starts, np.int32)
         num_new = np.asarray(counts, np.int32)
@@ -135,12 +141,12 @@ class Eagle3Proposer:
         s_pad, b_pad = bucket_size(n, self.fine_buckets), next_power_of_2(widest)
         batch = assemble_batch(np.asarray(tokens, np.int32), num_computed, num_new, table, need.astype(np.int32),
                                self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
-        shape = (t_pad, s_pad, b_pad, int(hidden.shape[-1]))
+        shape = (t_pad, s_pad, b_pad, int(hidden.shape[-1]), with_head)
         if shape not in self._shapes:
             self._shapes.add(shape)
-            logger.info("EAGLE-3 head: first pass of shape %s (tokens, sequences, block width, hidden width); %d so far",
-                        shape, len(self._shapes))
+            logger.info("EAGLE-3 head: first pass of shape %s (tokens, sequences, block width, hidden width, "
+                        "proposing); %d so far", shape, len(self._shapes))
         out, x, self.kv_cache = self._forward(self.params, self.target_embed, self.kv_cache,
                                               jnp.asarray(batch.input_ids), hidden, jnp.asarray(batch.positions),
-                                              attention_metadata(batch))
-        return np.asarray(out)[:n].tolist(), x
+                                              attention_metadata(batch), with_head=with_head)
+        return ([] if out is None else np.asarray(out)[:n].tolist()), x

@@ -75,12 +75,15 @@ def drafting_pays(gains: list[list[float]], num_decoding: int, plain_seconds: fl
                   verify_seconds: float | None, draft_seconds: float | None) -> bool:
     """Whether running a draft model this step is expected to pay: the tokens all its proposals
     would bring (`gains` as in `plan_drafts`, every request at its full room) against the draft's
-    own time and the verifying step's, beside plain decoding's rate (by `_MARGIN`). The draft's and
-    the verifying step's times count as paying until measured, so that they get measured; a plain
-    step's is measured first (no draft runs until it is)."""
+    own time and the verifying step's, beside plain decoding's rate (by `_MARGIN`). The draft's time
+    counts as paying until measured, so that it gets measured; a plain step's is measured first (no
+    draft runs until it is), and stands in for a verifying step's not measured yet (it costs no less):
+    proposals the plan never verifies never measure one, so counting it as paying would run the
+    draft for nothing, step after step."""
     if plain_seconds is None:
         return False
-    if verify_seconds is None or draft_seconds is None:
+    if draft_seconds is None:
         return True
     expected = num_decoding + sum(map(sum, gains))
-    return expected / (draft_seconds + verify_seconds) >= _MARGIN * num_decoding / plain_seconds
+    verify = plain_seconds if verify_seconds is None else verify_seconds
+    return expected / (draft_seconds + verify) >= _MARGIN * num_decoding / plain_seconds

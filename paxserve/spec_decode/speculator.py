@@ -57,40 +57,26 @@ class Speculator:
         running = list(running)
         for r in running:
             r.spec_token_ids = []
-        if self.eagle is not None:  # whatever is proposed: the head's cache must not miss a position
-            self.eagle.catch_up(running, self._block_ids)
-        limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:
-            return
-        decoding = 0
-        candidates: list[tuple[Request, int]] = []
-        for r in running:
-            if r.paused or r.num_output_placeholders or r.num_computed_tokens != r.num_tokens - 1:
-                continue
-            decoding += 1
-            if r.matcher is not None and r.matcher.is_stopped():
-                continue
-            # Never past max_tokens: the token after the proposals is always kept too.
-            room = min(k, r.max_tokens - r.num_output_tokens - 1)
-            if room < 1:
-                continue
-            if r.spec_backoff is None:
-                r.spec_backoff = DraftBackoff()
-                r.spec_prompt = np.asarray(r.prompt_token_ids, np.int32)
-            if r.spec_backoff.allows():
-                candidates.append((r, room))
-        if not candidates:
-            return
+        decoding, candidates = self._candidates(running, k)
         prior = self.engine_rate.rate
         if self.eagle is not None:
-            # The first proposals came with the catch-up; further ones cost a pass each.
-            pays = self._drafting_pays(candidates, decoding, prior)
-            rooms = [room if pays else 1 for _, room in candidates]
+            # The head catches up whatever is proposed (its cache must not miss a position); its
+            # vocabulary-wide product and further passes run only when drafting pays, as a draft
+            # model's passes do, and are timed as the draft's cost.
+            pays = bool(candidates) and self._drafting_pays(candidates, decoding, prior)
             started = time.perf_counter()
-            proposals = self.eagle.propose_batch([r for r, _ in candidates], rooms, self._block_ids)
-            if max(rooms) > 1:
+            self.eagle.catch_up(running, self._block_ids, {r.request_id for r, _ in candidates} if pays else set())
+            if not pays:
+                for r, _ in candidates:
+                    r.spec_backoff.skipped()
+                return
+            proposals = self.eagle.propose_batch([r for r, _ in candidates], [room for _, room in candidates],
+                                                 self._block_ids)
+            if self.eagle.last_catch_up <= len(running) * (k + 1):  # not a prompt's one-off catch-up
                 self.times.record(("draft", len(candidates)), time.perf_counter() - started)
-                self._steps_without_draft = 0
+            self._steps_without_draft = 0
+        elif not candidates:
+            return
         elif self.draft is not None:
             if not self._drafting_pays(candidates, decoding, prior):
                 for r, _ in candidates:
@@ -131,6 +117,31 @@ class Speculator:
             r.spec_token_ids = proposal[:count]
             if count == 0:
                 r.spec_backoff.skipped()
+
+    def _candidates(self, running: list[Request], k: int) -> tuple[int, list[tuple[Request, int]]]:
+        """How many requests decode next (one token lacking, nothing in flight), and those of them
+        that may propose now, each with its room (at most k; never past max_tokens)."""
+        limit = self.config.disable_by_batch_size
+        decoding = 0
+        candidates: list[tuple[Request, int]] = []
+        if limit is not None and len(running) >= limit:
+            return decoding, candidates
+        for r in running:
+            if r.paused or r.num_output_placeholders or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            decoding += 1
+            if r.matcher is not None and r.matcher.is_stopped():
+                continue
+            # Never past max_tokens: the token after the proposals is always kept too.
+            room = min(k, r.max_tokens - r.num_output_tokens - 1)
+            if room < 1:
+                continue
+            if r.spec_backoff is None:
+                r.spec_backoff = DraftBackoff()
+                r.spec_prompt = np.asarray(r.prompt_token_ids, np.int32)
+            if r.spec_backoff.allows():
+                candidates.append((r, room))
+        return decoding, candidates
 
     def _drafting_pays(self, candidates: list[tuple[Request, int]], decoding: int, prior: float) -> bool:
         """A draft model's passes cost time whatever is accepted: run them when the proposals they

@@ -243,3 +243,33 @@ def test_eagle3_heads_that_cannot_serve_are_refused_with_the_reason(tiny_dir: Pa
                                                   "eagle_config": {}}))
     with pytest.raises(ValueError, match=r"\[2, 1, -1\] must name 3 of the target's 2 layers"):
         Engine(str(tiny_dir), speculative_config=spec, **ARGS)
+
+
+@pytest.mark.parametrize("family", ["qwen3-bias", "mixtral"])
+def test_the_steps_aux_hidden_states_are_the_inputs_of_the_named_layers(family: str, tmp_path: Path) -> None:
+    """What a head reads, for a family with q/k norms and one with experts: the residual stream
+    entering each named layer, as transformers' hidden states give it, at every token."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from paxserve.kernels import KVCache
+    from paxserve.models.decoder import forward
+    from paxserve.models.loader import load_model
+    from paxserve.worker.step_functions import attention_metadata
+    from paxserve.worker.step_inputs import assemble_batch
+    from tests.models.family_checkpoints import make_family_checkpoint
+
+    hf = make_family_checkpoint(family, tmp_path)
+    model = load_model(str(tmp_path), "float32", use_param_cache=False)
+    cfg, tokens, layers = model.config, [3, 17, 99, 5, 42, 8, 250], (1, 0, 1)
+    cache = KVCache.zeros(cfg.num_layers, 3, 8, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    batch = assemble_batch(np.asarray(tokens, np.int32), np.asarray([0], np.int32),
+                           np.asarray([len(tokens)], np.int32), np.asarray([[1]], np.int32), np.asarray([1], np.int32), 8)
+    run = jax.jit(forward, static_argnames=("cfg", "aux_layers"))
+    _, _, aux = run(model.params, cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+                    attention_metadata(batch), cfg=cfg, aux_layers=layers)
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[i][0] for i in layers], -1).numpy()
+    np.testing.assert_allclose(np.asarray(aux), want, rtol=1e-4, atol=1e-4)

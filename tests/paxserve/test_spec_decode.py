@@ -116,6 +116,11 @@ def test_the_plan_verifies_what_pays_for_its_share_of_the_step() -> None:
     assert not drafting_pays(sure, 4, 0.010, 0.011, 0.030)  # three passes as slow as the target's: 13 in 41 ms
     assert drafting_pays(sure, 4, 0.010, 0.011, None)  # unmeasured: tried, then measured
     assert not drafting_pays(sure, 4, None, 0.011, 0.004)  # but a plain step is measured first
+    # A verifying step never measured (the plan verified none) costs at least a plain one: proposals
+    # unlikely to be accepted do not keep a measured draft running.
+    unlikely_ones = [unlikely.gains(3, 0.1)] * 4
+    assert not drafting_pays(unlikely_ones, 4, 0.010, None, 0.004)
+    assert drafting_pays(sure, 4, 0.010, None, 0.004)
     times = StepTimes()
     times.record("p", 5.0)  # the first step of a program (it may have compiled it) is not counted
     assert times.get("p") is None
