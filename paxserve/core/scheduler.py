@@ -159,7 +159,13 @@ class Scheduler:
                 i += 1
                 continue
             num_blocks_before = self.kv.num_blocks(request.request_id)
-            while not self.kv.allocate_slots(request, self._with_lookahead(request, num_new)):
+            speculative = True
+            while not self.kv.allocate_slots(request, self._with_lookahead(request, num_new) if speculative else num_new):
+                if speculative and (spec or self.config.num_lookahead_tokens):
+                    # Memory is short: proposals and a draft's lookahead give way before any request
+                    # is preempted for them.
+                    speculative, spec, num_new = False, [], min(lacking, budget)
+                    continue
                 # A paused request makes no progress, so it gives up its blocks first; otherwise
                 # the newest running one does.
                 victim = self._newest_paused() or self.running[-1]
@@ -200,7 +206,9 @@ class Scheduler:
             request = self.waiting[index]
             hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(request, self._with_lookahead(request, num_new, num_hit), hits):
+            with_lookahead = self._with_lookahead(request, num_new, num_hit)
+            if not self.kv.allocate_slots(request, with_lookahead, hits) and (
+                    with_lookahead == num_new or not self.kv.allocate_slots(request, num_new, hits)):
                 victim = self._newest_paused()
                 if victim is None:
                     break

@@ -170,6 +170,25 @@ def test_proposals_are_scheduled_with_slots_and_rejected_ones_are_stepped_back_o
     assert sched.kv.num_free_blocks == 19
 
 
+def test_when_memory_is_short_proposals_and_lookahead_give_way_before_any_preemption() -> None:
+    for lookahead in (0, 3):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                          num_lookahead_tokens=lookahead), KVCacheManager(4, 4, False))
+        a, b = (Request(rid, [1, 2, 3], SamplingParams(temperature=0.0), max_tokens=10) for rid in "ab")
+        for r in (a, b):
+            sched.add_request(r)
+        first = sched.schedule()
+        if lookahead:  # the prompts' lookahead did not fit beside each other: b went without
+            assert sched.kv.num_blocks("a") == 2 and sched.kv.num_blocks("b") == 1
+        sched.update_from_output(first, [4, 4])
+        assert sched.kv.num_free_blocks == 0 or lookahead == 0
+        a.spec_token_ids, b.spec_token_ids = [5, 6, 7], [5, 6, 7]
+        out = sched.schedule()
+        # Three blocks for two requests: plain decoding fits, the proposals of both do not.
+        assert not out.preempted_ids and [s.request_id for s in out.scheduled] == ["a", "b"]
+        assert sum(len(s.spec_token_ids) for s in out.scheduled) < 6
+
+
 def test_a_draft_models_lookahead_slots_are_allocated_up_to_max_model_len() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12,
                                       num_lookahead_tokens=3), KVCacheManager(20, block_size=4, enable_caching=True))
