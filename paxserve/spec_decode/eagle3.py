@@ -4,8 +4,9 @@ The target's step programs also return the residual streams entering three of it
 position they compute (`aux_layers`). Before each schedule, one ragged pass of the head catches up
 on the positions the last step computed and kept (a verifying step's rejected positions are left
 out), for every request in that step, so its one-layer cache never misses a position the target
-computed; for a request that decodes next, that pass's last output is its first proposal, at no
-further cost. Each further proposal is one single-token pass that reads the head's own previous
+computed. For a request that decodes next, that pass's last output gives its first proposal: the
+head's vocabulary-wide product runs only when some request will propose (the `Speculator` weighs
+it, with the further passes, as a draft's cost). Each further proposal is one single-token pass that reads the head's own previous
 output in place of a target hidden state. Proposals are greedy (one token each), which is what
 `sampling.verify`'s acceptance rule is exact for.
 
