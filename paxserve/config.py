@@ -138,7 +138,8 @@ class EngineConfig:
     # off on CPU, whose "device" is the host's own cores (overlap only makes them contend).
     async_scheduling: bool | None = None
     # vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min",
-    # "prompt_lookup_max"} (a dict, its JSON text, or a SpeculativeConfig; parsed into the latter).
+    # "prompt_lookup_max"}, {"model": PATH, ...} (a draft model) or {"method": "eagle3", "model": DIR, ...}
+    # (a dict, its JSON text, or a SpeculativeConfig; parsed into the latter).
     speculative_config: Any = None
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
     attention_backend: str = "auto"  # "auto" | "mosaic" | "triton" ("pallas") | "reference"; resolved at start

@@ -152,8 +152,9 @@ def _add_speculative_flag(group: argparse._ActionsContainer) -> None:
                             '"prompt_lookup_min": 1, "prompt_lookup_max": 5} proposes up to K tokens found after an '
                             "earlier occurrence of the last n tokens (prompt or output); {\"model\": PATH, "
                             "\"num_speculative_tokens\": K} has a smaller draft model of the same vocabulary propose "
-                            "them. The next step verifies them; outputs stay those of plain decoding (greedy and "
-                            "seeded sampling alike)")
+                            "them; {\"method\": \"eagle3\", \"model\": DIR, \"num_speculative_tokens\": K} an EAGLE-3 "
+                            "head (published format) reading the model's hidden states. The next step verifies them; "
+                            "outputs stay those of plain decoding (greedy and seeded sampling alike)")
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
