@@ -53,10 +53,6 @@ class Eagle3Config:
     aux_layers: tuple[int, ...]
     norm_before_residual: bool = False
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.layer.kv_bytes_per_token
-
 
 @struct.dataclass
 class Eagle3Params:
@@ -187,10 +183,6 @@ def load_eagle3(path: str | Path, target: ModelConfig, dtype: Any) -> tuple[Eagl
         final_norm=w("norm.weight"), lm_head=t("lm_head.weight"), d2t=jnp.asarray(d2t.astype(np.int32)),
         embed=None if embed is None else jnp.asarray(np.asarray(embed, np.float32), dtype))
     return cfg, params
-
-
-def param_bytes(params: Eagle3Params) -> int:
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
 
 
 def eagle3_forward(

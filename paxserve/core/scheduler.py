@@ -159,12 +159,13 @@ class Scheduler:
                 i += 1
                 continue
             num_blocks_before = self.kv.num_blocks(request.request_id)
-            speculative = True
-            while not self.kv.allocate_slots(request, self._with_lookahead(request, num_new) if speculative else num_new):
-                if speculative and (spec or self.config.num_lookahead_tokens):
+            slots = self._with_lookahead(request, num_new)
+            while not self.kv.allocate_slots(request, slots):
+                if slots != min(lacking, budget):
                     # Memory is short: proposals and a draft's lookahead give way before any request
                     # is preempted for them.
-                    speculative, spec, num_new = False, [], min(lacking, budget)
+                    spec, num_new = [], min(lacking, budget)
+                    slots = num_new
                     continue
                 # A paused request makes no progress, so it gives up its blocks first; otherwise
                 # the newest running one does.

@@ -32,7 +32,7 @@ from paxserve.models.loader import LoadedModel
 from paxserve.models.quant_weights import matmul_kernel
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.step_functions import StepShapes, attention_metadata
-from paxserve.worker.step_inputs import assemble_batch, bucket_size, next_power_of_2
+from paxserve.worker.step_inputs import SeqChunk, bucketed_batch
 
 logger = logging.getLogger(__name__)
 
@@ -131,22 +131,13 @@ class DraftModel:
         """One forward of the draft over each sequence's chunk (fed at positions from its start);
         the greedy token after each chunk's last."""
         n = len(chunks)
-        num_new = np.fromiter(map(len, chunks), np.int32, n)
-        input_ids = np.fromiter((t for c in chunks for t in c), np.int32, int(num_new.sum()))
-        num_computed = np.asarray(starts, np.int32)
-        need = -(-(num_computed + num_new) // self.block_size)
-        widest = int(need.max())
-        table = np.zeros((n, widest), np.int32)
-        for i, blocks in enumerate(tables):
-            table[i, :min(widest, blocks.shape[0])] = blocks[:widest]
-        t_pad, s_pad = bucket_size(len(input_ids), self.fine_buckets), bucket_size(n, self.fine_buckets)
-        b_pad = next_power_of_2(widest)
-        key = (self._decode_kind if len(input_ids) == n else "forward", t_pad, s_pad, b_pad)
+        batch = bucketed_batch([SeqChunk(chunk, start, table.tolist()) for chunk, start, table in
+                                zip(chunks, starts, tables)], self.block_size, self.fine_buckets)
+        t_pad, s_pad, b_pad = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
+        key = (self._decode_kind if batch.num_tokens == n else "forward", t_pad, s_pad, b_pad)
         if key not in self.programs:
             logger.info("draft model: first pass in bucket %s (tokens, sequences, block width); %d programs so far",
                         key[1:], len(self.programs.keys()))
-        batch = assemble_batch(input_ids, num_computed, num_new, table, need.astype(np.int32), self.block_size,
-                               pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
         logits, self.kv_cache = self.programs.get(key)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
             attention_metadata(batch), jnp.zeros((1,), jnp.int32), jnp.full(batch.input_ids.shape, -1, jnp.int32))

@@ -30,7 +30,7 @@ from paxserve.core.request import Request
 from paxserve.kernels import AttentionBackend, KVCache
 from paxserve.models.eagle3 import Eagle3Config, Eagle3Params, eagle3_forward
 from paxserve.worker.step_functions import attention_metadata
-from paxserve.worker.step_inputs import assemble_batch, bucket_size, next_power_of_2
+from paxserve.worker.step_inputs import SeqChunk, bucketed_batch
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Eagle3Proposer:
         # After a catch-up: per request that decodes next, (its first proposal, its row in `_hidden`).
         self._first: dict[str, tuple[int, int]] = {}
         self._hidden: jax.Array | None = None
-        self.last_catch_up = 0  # positions the last catch-up fed
+        self.last_catch_up = 0  # the most positions of one request the last catch-up fed
 
     def record_step(self, scheduled: list[ScheduledRequest], aux: jax.Array) -> None:
         """A target step's aux hidden states [T, 3 x hidden], its rows in `scheduled`'s order."""
@@ -83,18 +83,15 @@ class Eagle3Proposer:
                 live.append((r, first, offset, kept))
         if not live or self._aux is None:
             return
+        self.last_catch_up = max(kept for *_, kept in live)
         index = np.concatenate([np.arange(offset, offset + kept, dtype=np.int32) for _, _, offset, kept in live])
-        self.last_catch_up = len(index)
-        tokens = [t for r, first, _, kept in live for t in r.token_ids_slice(first + 1, first + kept + 1)]
-        t_pad = bucket_size(len(index), self.fine_buckets)
-        hidden = _take(self._aux, jnp.asarray(np.pad(index, (0, t_pad - len(index)))))
-        self._aux = None
+        aux, self._aux = self._aux, None
         # A request's output predicts the token after its last when the catch-up reached it.
         proposing = [i for i, (r, first, _, kept) in enumerate(live)
                      if r.request_id in wanted and first + kept == r.num_tokens - 1]
-        out, x = self._run([r for r, *_ in live], [first for _, first, _, _ in live], [k for *_, k in live], tokens,
-                           hidden, t_pad, block_ids, with_head=bool(proposing))
-        self._hidden = x
+        out, self._hidden = self._run([(r, first, r.token_ids_slice(first + 1, first + kept + 1))
+                                       for r, first, _, kept in live], aux, index, block_ids,
+                                      with_head=bool(proposing))
         for i in proposing:
             self._first[live[i][0].request_id] = (out[i], i)
 
@@ -114,35 +111,23 @@ class Eagle3Proposer:
         hidden = self._hidden
         for step in range(1, max(rooms, default=0)):
             live = [i for i, room in enumerate(rooms) if room > step]
-            n = len(live)
-            s_pad = bucket_size(n, self.fine_buckets)
-            source = _take(hidden, jnp.asarray(np.pad(np.asarray([at[i] for i in live], np.int32), (0, s_pad - n))))
-            out, hidden = self._run([requests[i] for i in live], [requests[i].num_tokens - 2 + step for i in live],
-                                    [1] * n, [tokens[i][-1] for i in live], source, s_pad, block_ids)
+            out, hidden = self._run([(requests[i], requests[i].num_tokens - 2 + step, [tokens[i][-1]]) for i in live],
+                                    hidden, np.asarray([at[i] for i in live], np.int32), block_ids)
             for j, i in enumerate(live):
                 tokens[i].append(out[j])
                 at[i] = j
         return [t[:room] for t, room in zip(tokens, rooms)]
 
-    def _run(self, requests: list[Request], starts: list[int], counts: list[int], tokens: list[int],
-             hidden: jax.Array, t_pad: int, block_ids: Callable[[str], list[int]], with_head: bool = True
-             ) -> tuple[list[int], jax.Array]:
-        """One pass of the head: each request feeds `counts[i]` tokens at positions from `starts[i]`
-        (`hidden` [t_pad, ...] their hidden states, in order). The greedy token after each request's
-        last (none without `with_head`), and the head's output there ([S_pad, H], on the device)."""
-        n = len(requests)
-        num_computed = np.asarray(starts, np.int32)
-        num_new = np.asarray(counts, np.int32)
-        need = -(-(num_computed + num_new) // self.block_size)
-        widest = int(need.max())
-        table = np.zeros((n, widest), np.int32)
-        for i, r in enumerate(requests):
-            blocks = np.asarray(block_ids(r.request_id), np.int32)[:widest]
-            table[i, :blocks.shape[0]] = blocks
-        s_pad, b_pad = bucket_size(n, self.fine_buckets), next_power_of_2(widest)
-        batch = assemble_batch(np.asarray(tokens, np.int32), num_computed, num_new, table, need.astype(np.int32),
-                               self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad)
-        shape = (t_pad, s_pad, b_pad, int(hidden.shape[-1]), with_head)
+    def _run(self, feeds: list[tuple[Request, int, list[int]]], source: jax.Array, rows: np.ndarray,
+             block_ids: Callable[[str], list[int]], with_head: bool = True) -> tuple[list[int], jax.Array]:
+        """One pass of the head: each request feeds its tokens at positions from its start, reading
+        the hidden states `source[rows]` in order. The greedy token after each request's last (none
+        without `with_head`), and the head's output there ([S_pad, H], on the device)."""
+        batch = bucketed_batch([SeqChunk(tokens, start, block_ids(r.request_id)) for r, start, tokens in feeds],
+                               self.block_size, self.fine_buckets)
+        t_pad = batch.input_ids.shape[0]
+        hidden = _take(source, jnp.asarray(np.pad(rows, (0, t_pad - len(rows)))))
+        shape = (t_pad, batch.context_lens.shape[0], batch.block_tables.shape[1], int(hidden.shape[-1]), with_head)
         if shape not in self._shapes:
             self._shapes.add(shape)
             logger.info("EAGLE-3 head: first pass of shape %s (tokens, sequences, block width, hidden width, "
@@ -150,4 +135,4 @@ class Eagle3Proposer:
         out, x, self.kv_cache = self._forward(self.params, self.target_embed, self.kv_cache,
                                               jnp.asarray(batch.input_ids), hidden, jnp.asarray(batch.positions),
                                               attention_metadata(batch), with_head=with_head)
-        return ([] if out is None else np.asarray(out)[:n].tolist()), x
+        return ([] if out is None else np.asarray(out)[:len(feeds)].tolist()), x

@@ -59,37 +59,29 @@ class Speculator:
             r.spec_token_ids = []
         decoding, candidates = self._candidates(running, k)
         prior = self.engine_rate.rate
-        if self.eagle is not None:
-            # The head catches up whatever is proposed (its cache must not miss a position); its
-            # vocabulary-wide product and further passes run only when drafting pays, as a draft
-            # model's passes do, and are timed as the draft's cost.
+        drafter = self.eagle or self.draft
+        if drafter is not None:
+            # A drafter's passes cost time whatever is accepted: they run only when drafting pays.
+            # The EAGLE-3 head catches up whatever is proposed (its cache must not miss a position),
+            # its vocabulary-wide product only for the requests that will propose.
             pays = bool(candidates) and self._drafting_pays(candidates, decoding, prior)
             started = time.perf_counter()
-            self.eagle.catch_up(running, self._block_ids, {r.request_id for r, _ in candidates} if pays else set())
+            if self.eagle is not None:
+                self.eagle.catch_up(running, self._block_ids,
+                                    {r.request_id for r, _ in candidates} if pays else set())
             if not pays:
                 for r, _ in candidates:
                     r.spec_backoff.skipped()
                 return
-            proposals = self.eagle.propose_batch([r for r, _ in candidates], [room for _, room in candidates],
-                                                 self._block_ids)
-            if self.eagle.last_catch_up <= len(running) * (k + 1):  # not a prompt's one-off catch-up
+            proposals = drafter.propose_batch([r for r, _ in candidates], [room for _, room in candidates],
+                                              self._block_ids)
+            # Its time as it is step after step: a request's first catch-up (its whole prompt), or
+            # one after steps without drafting, would count a one-off as every step's cost.
+            if drafter.last_catch_up <= k + 1:
                 self.times.record(("draft", len(candidates)), time.perf_counter() - started)
             self._steps_without_draft = 0
         elif not candidates:
             return
-        elif self.draft is not None:
-            if not self._drafting_pays(candidates, decoding, prior):
-                for r, _ in candidates:
-                    r.spec_backoff.skipped()
-                return
-            started = time.perf_counter()
-            proposals = self.draft.propose_batch([r for r, _ in candidates], [room for _, room in candidates],
-                                                 self._block_ids)
-            # Its time as it is step after step: a request's first catch-up (its whole prompt), or
-            # one after steps without drafting, would count a one-off as every step's cost.
-            if self.draft.last_catch_up <= k + 1:
-                self.times.record(("draft", len(candidates)), time.perf_counter() - started)
-            self._steps_without_draft = 0
         else:
             proposals = [self.proposer.propose(np.concatenate([r.spec_prompt, np.asarray(r.output_token_ids,
                                                                                         np.int32)]), room)

@@ -50,13 +50,11 @@ def run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, 
                 attention_backend: AttentionBackend, tp: TensorParallel | None, aux_layers: tuple[int, ...] = ()):
     """The model's forward on one device, or split over the mesh under tensor parallelism. With
     `aux_layers` (one device only), it also returns the hidden states an EAGLE-3 head reads."""
-    if aux_layers:
-        if tp is not None:
-            raise ValueError("an EAGLE-3 head's hidden states are kept on one device only")
-        return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend,
-                       aux_layers=aux_layers)
     if tp is None:
-        return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend)
+        return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend,
+                       **({"aux_layers": aux_layers} if aux_layers else {}))
+    if aux_layers:
+        raise ValueError("an EAGLE-3 head's hidden states are kept on one device only")
     return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend)(
         params, kv_cache, input_ids, positions, metadata)
 

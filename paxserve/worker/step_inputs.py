@@ -3,12 +3,12 @@
 Host side only (no JAX): each sequence contributes a chunk of new tokens (a prompt chunk or one
 decode token) on top of the tokens already in its cache, through its block table. The engine feeds
 `assemble_batch` from its persistent rows (`input_batch`); `build_batch` takes a list of chunks
-(tests, warm-up, tools).
+(tests, warm-up, tools, and through `bucketed_batch` a drafter's passes).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -114,6 +114,18 @@ def build_batch(
         tables, np.array([len(c.block_table) for c in chunks], np.int32), block_size,
         pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to, pad_blocks_to=pad_blocks_to,
     )
+
+
+def bucketed_batch(chunks: list[SeqChunk], block_size: int, fine_buckets: bool) -> Batch:
+    """`build_batch` over each chunk's table cut to the blocks its tokens reach (a request may hold
+    more: a drafter's lookahead), padded to the step buckets: tokens and sequences by `bucket_size`,
+    the block table to a power of two."""
+    chunks = [replace(c, block_table=c.block_table[:-(-(c.num_computed_tokens + len(c.token_ids)) // block_size)])
+              for c in chunks]
+    return build_batch(chunks, block_size, pad_tokens_to=bucket_size(sum(len(c.token_ids) for c in chunks),
+                                                                     fine_buckets),
+                       pad_seqs_to=bucket_size(len(chunks), fine_buckets),
+                       pad_blocks_to=next_power_of_2(max(len(c.block_table) for c in chunks)))
 
 
 def assemble_batch(
