@@ -221,10 +221,6 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise ValueError(f"EngineConfig.{e}") from None
-        if self.speculative_config is not None and self.async_scheduling:
-            raise _bad("async_scheduling", self.async_scheduling,
-                       "cannot be on with speculative_config: how many proposals a step accepts decides the next "
-                       "step's inputs, so each step runs to the end before the next is built")
         if self.log_stats_interval < 0:
             raise _bad("log_stats_interval", self.log_stats_interval, "must be >= 0 seconds")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -392,9 +392,7 @@ def _program_store(config: EngineConfig, cluster: Cluster | None) -> Path | None
 
 def _async_scheduling(config: EngineConfig) -> bool:
     platform = jax.devices()[0].platform
-    if config.speculative_config is not None:
-        on, why = False, "speculative decoding: how many proposals a step accepts decides the next step's inputs"
-    elif config.async_scheduling is None:
+    if config.async_scheduling is None:
         on = platform != "cpu"
         why = (f"the default on {platform}" if on else
                "the default on CPU: its steps run on the host's own cores, so building the next step beside "
@@ -403,6 +401,10 @@ def _async_scheduling(config: EngineConfig) -> bool:
         on, why = config.async_scheduling, "as asked"
     logger.info("%s (%s)", "async scheduling: each step is built while the previous one runs on the device"
                 if on else "synchronous scheduling: each step runs to the end before the next", why)
+    if on and config.speculative_config is not None:
+        logger.info("speculative decoding with async scheduling: a step is waited for before the next is built "
+                    "when it verifies proposals or a request in it will likely propose (its last token must be "
+                    "known); requests whose proposals keep finding nothing let steps overlap")
     return on
 
 

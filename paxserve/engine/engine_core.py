@@ -68,9 +68,11 @@ class EngineCore:
         """`isolate_failed_steps=False` (a multi-host engine): a failed step raises instead of failing
         only its requests, since the other ranks' caches and programs can no longer be kept in step.
         `speculative`: propose tokens for decoding requests and verify them in their next step (the
-        runner must have been made for its number of tokens; steps then run synchronously), with
-        `draft` proposing when its method is "draft_model", `eagle` when it is "eagle3" (the runner
-        must then keep the head's aux hidden states)."""
+        runner must have been made for its number of tokens), with `draft` proposing when its method
+        is "draft_model", `eagle` when it is "eagle3" (the runner must then keep the head's aux hidden
+        states). With async scheduling too, a request can propose only once its last token is known:
+        the step in flight is waited for when it verifies proposals or a request in it would likely
+        propose (`Speculator.wants_results`); otherwise the next step overlaps it as usual."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -89,10 +91,11 @@ class EngineCore:
         self.speculative = speculative
         self.spec_stats = SpecDecodingStats()
         self._speculator = None
+        # Async scheduling with speculation: steps whose results were waited for before proposing,
+        # and steps built while their predecessor ran.
+        self.num_spec_waits = 0
+        self.num_overlapped_steps = 0
         if speculative is not None:
-            if async_scheduling:
-                raise ValueError("speculative decoding runs each step to the end before the next (how many "
-                                 "proposals a step accepts decides the next one's inputs): turn async scheduling off")
             if runner.input_batch.verify_width != 1 + speculative.num_speculative_tokens:
                 raise ValueError(f"the model runner verifies {runner.input_batch.verify_width - 1} proposed tokens, "
                                  f"the speculative config proposes {speculative.num_speculative_tokens}: build "
@@ -100,7 +103,8 @@ class EngineCore:
             if eagle is not None and runner.shapes.aux_layers != eagle.cfg.aux_layers:
                 raise ValueError(f"the model runner keeps the hidden states of layers {runner.shapes.aux_layers}, the "
                                  f"EAGLE-3 head reads {eagle.cfg.aux_layers}: build both from the same head")
-            self._speculator = Speculator(speculative, self._step_program, draft, kv.block_ids, eagle)
+            self._speculator = Speculator(speculative, self._step_program, draft, kv.block_ids, eagle,
+                                          overlap=async_scheduling)
             self.spec_stats = self._speculator.stats
         self._verify_programs: dict = {}
 
@@ -180,12 +184,19 @@ class EngineCore:
         are taken in while it runs, so the host's scheduling and bookkeeping hide under device work;
         the outputs returned are then the previous step's. A row whose request finished (or was
         aborted) meanwhile drops its token, so nothing is ever emitted past a stop."""
+        outputs: list[SampleOutput] = []
         if self._speculator is not None:
             self._verify_programs = {}  # this step's answers of `_step_program`, by bucket
+            flight = self._in_flight
+            if flight is not None:
+                if self._speculator.wants_results(flight.out.num_spec_tokens > 0, self.scheduler.running):
+                    self.num_spec_waits += 1
+                    outputs += self._complete(self._take_in_flight())
+                else:
+                    self.num_overlapped_steps += 1
             self._speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.last_num_scheduled = len(out.scheduled)
-        outputs: list[SampleOutput] = []
         flight = None
         try:
             self.runner.update_rows(out)
@@ -276,8 +287,8 @@ class EngineCore:
             return self._fail_step(out, flight.registered, e, self._live(flight))
         if self._speculator is not None:  # steps run one at a time: this was the step's whole time
             self._speculator.record_step(self._timed_program(out), time.perf_counter() - flight.started)
-            if self._speculator.eagle is not None and self.runner.aux_hidden is not None:
-                self._speculator.eagle.record_step(out.scheduled, self.runner.aux_hidden)
+            if self._speculator.eagle is not None and flight.step.device.aux is not None:
+                self._speculator.eagle.record_step(out.scheduled, flight.step.device.aux)
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)

@@ -43,6 +43,10 @@ _SKIP_DECAY = 0.95  # per step without verification: the rate drifts back to the
 _ENGINE_DECAY = 0.98  # weight of the older drafts in the engine-wide rate (the requests' prior)
 _FIRST_PAUSE = 4  # steps without proposals after the first low stretch; doubles up to _MAX_PAUSE
 _MAX_PAUSE = 64
+# Async scheduling: steps a request lets overlap (its results not awaited to propose) after one whose
+# results were awaited for nothing (no proposal, or none worth verifying); doubles up to _MAX_IDLE
+# while that goes on, so a request with nothing to find costs a lost overlap at most 1 step in 16.
+_MAX_IDLE = 16
 
 
 def _accepted_and_tried(num_proposed: int, num_accepted: int) -> tuple[int, int]:
@@ -79,16 +83,35 @@ class DraftBackoff:
     tried: float = 0.0
     pause: int = 0  # steps left without proposals
     next_pause: int = _FIRST_PAUSE
+    idle: int = 0  # async scheduling: steps left that need not wait for its results (`found_nothing`)
+    next_idle: int = 1
 
     def rate(self, prior: float) -> float:
         return (self.accepted + prior) / (self.tried + 1.0)
 
     def allows(self) -> bool:
         """Whether this step may propose (counts a paused step down)."""
+        self.idle = max(0, self.idle - 1)
         if self.pause > 0:
             self.pause -= 1
             return False
         return True
+
+    def waited(self) -> None:
+        """A step it decoded with its last token still in flight (async scheduling): it could not
+        propose, which counts its pauses down as a step without proposals does."""
+        self.idle = max(0, self.idle - 1)
+        self.pause = max(0, self.pause - 1)
+
+    def wants_results(self) -> bool:
+        """Async scheduling: whether the step in flight is worth waiting for so that it may propose."""
+        return self.pause == 0 and self.idle == 0
+
+    def found_nothing(self) -> None:
+        """Async scheduling waited for its results and it proposed nothing worth verifying: let its
+        next steps overlap (more of them each time this repeats)."""
+        self.idle = self.next_idle
+        self.next_idle = min(2 * self.next_idle, _MAX_IDLE)
 
     def gains(self, num_proposed: int, prior: float) -> list[float]:
         """Expected accepted tokens from each of `num_proposed` proposals: the chance that it and
@@ -108,6 +131,8 @@ class DraftBackoff:
         accepted, tried = _accepted_and_tried(num_proposed, num_accepted)
         self.accepted = _DECAY * self.accepted + accepted
         self.tried = _DECAY * self.tried + tried
+        if num_accepted:
+            self.next_idle = 1
         if self.rate(prior) <= _LOW_ACCEPTANCE:
             self.pause = self.next_pause
             self.next_pause = min(2 * self.next_pause, _MAX_PAUSE)

@@ -6,9 +6,9 @@ on the positions the last step computed and kept (a verifying step's rejected po
 out), for every request in that step, so its one-layer cache never misses a position the target
 computed. For a request that decodes next, that pass's last output gives its first proposal: the
 head's vocabulary-wide product runs only when some request will propose (the `Speculator` weighs
-it, with the further passes, as a draft's cost). Each further proposal is one single-token pass that reads the head's own previous
-output in place of a target hidden state. Proposals are greedy (one token each), which is what
-`sampling.verify`'s acceptance rule is exact for.
+it, with the further passes, as a draft's cost). Each further proposal is one single-token pass
+that reads the head's own previous output in place of a target hidden state. Proposals are greedy
+(one token each), which is what `sampling.verify`'s acceptance rule is exact for.
 
 The head's cache pages are the target's block ids (the scheduler allocates k slots of lookahead for
 the pages of further proposals), so preemption and the end of a request free both at once. Only
@@ -52,9 +52,10 @@ class Eagle3Proposer:
         self._forward = jax.jit(partial(eagle3_forward, cfg=cfg, attention_backend=attention_backend),
                                 donate_argnums=(2,), static_argnames=("with_head",))
         self._shapes: set[tuple[int, ...]] = set()
-        # The last target step: its aux hidden states and, per request, (first position, first row, rows).
-        self._aux: jax.Array | None = None
-        self._rows: dict[str, tuple[int, int, int]] = {}
+        # Target steps taken in since the last catch-up: each one's aux hidden states and, per request,
+        # (first position, first row, rows). One with synchronous scheduling; with async scheduling
+        # a step in flight may be taken in early, after its predecessor's was recorded.
+        self._pending: list[tuple[jax.Array, dict[str, tuple[int, int, int]]]] = []
         # After a catch-up: per request that decodes next, (its first proposal, its row in `_hidden`).
         self._first: dict[str, tuple[int, int]] = {}
         self._hidden: jax.Array | None = None
@@ -62,35 +63,51 @@ class Eagle3Proposer:
 
     def record_step(self, scheduled: list[ScheduledRequest], aux: jax.Array) -> None:
         """A target step's aux hidden states [T, 3 x hidden], its rows in `scheduled`'s order."""
-        self._aux, self._rows, offset = aux, {}, 0
+        rows, offset = {}, 0
         for s in scheduled:
-            self._rows[s.request_id] = (s.num_computed_tokens, offset, s.num_new_tokens)
+            rows[s.request_id] = (s.num_computed_tokens, offset, s.num_new_tokens)
             offset += s.num_new_tokens
+        self._pending.append((aux, rows))
 
     def catch_up(self, running: list[Request], block_ids: Callable[[str], list[int]], wanted: set[str]) -> None:
-        """Feed the head the positions the last step computed and kept (each at most once); the
-        requests in `wanted` that decode next get their first proposal from it."""
+        """Feed the head the positions the steps since the last catch-up computed and kept (each at
+        most once); the requests in `wanted` that decode next get their first proposal from it."""
         self._first, self._hidden, self.last_catch_up = {}, None, 0
-        rows, self._rows = self._rows, {}
+        pending, self._pending = self._pending, []
+        by_id = {r.request_id: r for r in running}
+        at: dict[str, dict[int, int]] = {}  # per request: position -> row in the steps' hidden states
+        base = 0
+        for aux, rows in pending:
+            for request_id, (first, offset, count) in rows.items():
+                r = by_id.get(request_id)
+                if r is None:
+                    continue
+                # Positions whose next token is known: verification may have kept fewer than were
+                # fed, and a preemption since forgets the rest (a later step computes them again).
+                kept = min(count, r.num_computed_tokens - first, r.num_tokens - 1 - first)
+                rows_at = at.setdefault(request_id, {})
+                for j in range(max(kept, 0)):
+                    rows_at[first + j] = base + offset + j
+            base += int(aux.shape[0])
         live = []
         for r in running:
-            if r.request_id not in rows:
+            rows_at = at.get(r.request_id)
+            if not rows_at:
                 continue
-            first, offset, count = rows[r.request_id]
-            # Positions whose next token is known: verification may have kept fewer than were fed.
-            kept = min(count, r.num_computed_tokens - first, r.num_tokens - 1 - first)
-            if kept > 0:
-                live.append((r, first, offset, kept))
-        if not live or self._aux is None:
+            first, kept = min(rows_at), 0
+            while first + kept in rows_at:
+                kept += 1
+            live.append((r, first, [rows_at[first + j] for j in range(kept)]))
+        if not live:
             return
-        self.last_catch_up = max(kept for *_, kept in live)
-        index = np.concatenate([np.arange(offset, offset + kept, dtype=np.int32) for _, _, offset, kept in live])
-        aux, self._aux = self._aux, None
+        self.last_catch_up = max(len(index) for *_, index in live)
+        aux = pending[0][0] if len(pending) == 1 else jnp.concatenate([a for a, _ in pending])
         # A request's output predicts the token after its last when the catch-up reached it.
-        proposing = [i for i, (r, first, _, kept) in enumerate(live)
-                     if r.request_id in wanted and first + kept == r.num_tokens - 1]
-        out, self._hidden = self._run([(r, first, r.token_ids_slice(first + 1, first + kept + 1))
-                                       for r, first, _, kept in live], aux, index, block_ids,
+        proposing = [i for i, (r, first, index) in enumerate(live)
+                     if r.request_id in wanted and first + len(index) == r.num_tokens - 1]
+        out, self._hidden = self._run([(r, first, r.token_ids_slice(first + 1, first + len(index) + 1))
+                                       for r, first, index in live], aux,
+                                      np.asarray([i for *_, index in live for i in index], np.int32), block_ids,
                                       with_head=bool(proposing))
         for i in proposing:
             self._first[live[i][0].request_id] = (out[i], i)

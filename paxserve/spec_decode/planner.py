@@ -47,8 +47,9 @@ def plan_drafts(gains: list[list[float]], num_decoding: int, step_time: Callable
     proposing or not (each yields one token). `step_time(d)`: the step's time with d proposal tokens
     in all, None when not measured yet: taken as the time without any, so that proposing is tried
     and measured (infinite: such a step cannot run yet). Until a plain step's time is known nothing
-    is verified: a workload whose every step verified would never measure it. The number of proposal tokens chosen is the one with the most expected tokens per
-    second (when it beats plain decoding's by `_MARGIN`); they are the ones with the largest gains."""
+    is verified: a workload whose every step verified would never measure it. The number of
+    proposal tokens chosen is the one with the most expected tokens per second (when it beats plain
+    decoding's by `_MARGIN`); they are the ones with the largest gains."""
     if not gains:
         return []
     base = step_time(0)

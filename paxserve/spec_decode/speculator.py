@@ -29,10 +29,12 @@ StepProgram = Callable[[int, int, bool], Hashable | None]
 class Speculator:
     """`draft`: the draft model that proposes (method "draft_model"), `eagle` the EAGLE-3 head
     (method "eagle3"), else n-gram lookup does; `block_ids`: a request's block ids, where a draft's
-    cache pages are."""
+    cache pages are. `overlap`: the engine schedules asynchronously, so a request whose last token
+    is in flight cannot propose unless the engine waits for it (`wants_results`)."""
 
     def __init__(self, config: SpeculativeConfig, step_program: StepProgram, draft: DraftModel | None = None,
-                 block_ids: Callable[[str], list[int]] | None = None, eagle: Eagle3Proposer | None = None) -> None:
+                 block_ids: Callable[[str], list[int]] | None = None, eagle: Eagle3Proposer | None = None,
+                 overlap: bool = False) -> None:
         for method, given in (("draft_model", draft), ("eagle3", eagle)):
             if (given is None) != (config.method != method):
                 raise ValueError(f"speculative method {config.method!r} {'needs' if given is None else 'takes no'} "
@@ -48,6 +50,28 @@ class Speculator:
         self._step_program = step_program
         self._steps_without_draft = 0
         self._probe_every = _DRAFT_PROBE
+        self.overlap = overlap
+
+    def wants_results(self, in_flight_verifies: bool, running: Iterable[Request]) -> bool:
+        """Async scheduling: whether to wait for the step in flight before proposing. Always when it
+        verifies proposals (its requests cannot be scheduled before their accepted count is known);
+        else when a request decoding in it would likely propose once its token is known (one that
+        has not tried yet, or whose acceptance back-off and `found_nothing` pauses are over).
+        Otherwise the next step is built while it runs, without proposals from its requests."""
+        if in_flight_verifies:
+            return True
+        running = list(running)
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            return False
+        for r in running:
+            if r.paused or not r.num_output_placeholders or (r.matcher is not None and r.matcher.is_stopped()):
+                continue
+            if r.max_tokens - r.num_output_tokens - r.num_output_placeholders < 2:
+                continue  # no room for a proposal before max_tokens
+            if r.spec_backoff is None or r.spec_backoff.wants_results():
+                return True
+        return False
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set each running request's `spec_token_ids` for the next schedule: proposals for those
@@ -70,8 +94,7 @@ class Speculator:
                 self.eagle.catch_up(running, self._block_ids,
                                     {r.request_id for r, _ in candidates} if pays else set())
             if not pays:
-                for r, _ in candidates:
-                    r.spec_backoff.skipped()
+                self._none_for([r for r, _ in candidates])
                 return
             proposals = drafter.propose_batch([r for r, _ in candidates], [room for _, room in candidates],
                                               self._block_ids)
@@ -92,6 +115,11 @@ class Speculator:
                 proposal = proposal[:r.matcher.validate_tokens(proposal)]
             if proposal:
                 proposing.append((r, proposal))
+        if self.overlap:
+            found = {id(r) for r, _ in proposing}
+            for r, _ in candidates:
+                if id(r) not in found:
+                    r.spec_backoff.found_nothing()
         if not proposing:
             return
         seconds: dict[Hashable, float | None] = {}
@@ -107,8 +135,14 @@ class Speculator:
         counts = plan_drafts([r.spec_backoff.gains(len(p), prior) for r, p in proposing], decoding, step_time)
         for (r, proposal), count in zip(proposing, counts):
             r.spec_token_ids = proposal[:count]
-            if count == 0:
-                r.spec_backoff.skipped()
+        self._none_for([r for (r, _), count in zip(proposing, counts) if count == 0])
+
+    def _none_for(self, requests: list[Request]) -> None:
+        """Candidates this step verifies nothing of (their proposals did not pay)."""
+        for r in requests:
+            r.spec_backoff.skipped()
+            if self.overlap:
+                r.spec_backoff.found_nothing()
 
     def _candidates(self, running: list[Request], k: int) -> tuple[int, list[tuple[Request, int]]]:
         """How many requests decode next (one token lacking, nothing in flight), and those of them
@@ -119,6 +153,8 @@ class Speculator:
         if limit is not None and len(running) >= limit:
             return decoding, candidates
         for r in running:
+            if r.num_output_placeholders and not r.paused and r.spec_backoff is not None:
+                r.spec_backoff.waited()
             if r.paused or r.num_output_placeholders or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             decoding += 1

@@ -85,6 +85,9 @@ class DeviceStep:
     num_seqs: int  # real rows
     num_rows: int  # padded rows
     num_prompt_positions: int | None  # padded token positions scored, for a prompt-logprobs step
+    # The step's hidden states at `aux_layers`' inputs (an EAGLE-3 head reads them), on the device:
+    # with async scheduling a step completes after its successor dispatched, so they travel with it.
+    aux: jax.Array | None = None
 
 
 def zero_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: np.dtype) -> Future[KVCache]:
@@ -145,8 +148,7 @@ class ModelRunner:
                                  self.num_state_rows, attention_backend, model.tp, model.quantization,
                                  None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype,
                                  matmul_kernel(model.params), num_spec_tokens, tuple(aux_layers))
-        # The last step's hidden states at `aux_layers`' inputs (an EAGLE-3 head reads them), on the device.
-        self.aux_hidden: jax.Array | None = None
+        self._aux: jax.Array | None = None  # the last forward's aux hidden states, for its DeviceStep
         common = "|".join([environment_fingerprint(), source_fingerprint()])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(lambda key: self.shapes.spec(key), lambda kind: common + self.shapes.fingerprint(kind),
@@ -444,12 +446,12 @@ class ModelRunner:
             packed, self.sampler_state = self._run(("verify_sample", n), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state, jnp.asarray(sampling.draft_tokens),
                                                    jnp.asarray(sampling.earlier_drafts))
-            return DeviceStep(packed, sampling.num_rows, n, None)
+            return DeviceStep(packed, sampling.num_rows, n, None, self._aux)
         if prompt is None:
             logits = self._forward((batch.program, t, s, b), self.forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state)
-            return DeviceStep(packed, batch.num_seqs, s, None)
+            return DeviceStep(packed, batch.num_seqs, s, None, self._aux)
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
         args = self.forward_args(batch)
@@ -457,12 +459,12 @@ class ModelRunner:
         packed, self.sampler_state = self._run(("score", t, s), logits, args[4].logits_indices,
                                                self._sampling_metadata(sampling), self.sampler_state,
                                                jnp.asarray(prompt.targets))
-        return DeviceStep(packed, batch.num_seqs, s, t)
+        return DeviceStep(packed, batch.num_seqs, s, t, self._aux)
 
     def _forward(self, key: tuple, args: tuple[Any, ...]) -> jax.Array:
         """Run a forward program: its logits (the cache, and any aux hidden states, are kept)."""
         logits, self.kv_cache, *aux = self._run(key, *args)
-        self.aux_hidden = aux[0] if aux else None
+        self._aux = aux[0] if aux else None
         return logits
 
     def collect(self, step: DeviceStep) -> tuple[SampledTokens, np.ndarray | None]:

@@ -17,6 +17,9 @@ ENGINE_ARGS: dict[str, Any] = dict(warmup=False, log_stats_interval=0, compilati
 PROMPTS: list[list[int]] = [[5, 17, 99, 3, 42, 8, 61, 200, 13, 77], [31, 4, 250], [64, 65, 66, 67, 68, 69, 70],
                             [120, 7, 33, 201, 18]]
 STEPS = 6
+# The speculative run: proposals are verified whatever this machine's step times (its probe gives
+# the plan a flat time), so that they are verified over both processes.
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 GREEDY_ROWS = (0, 1)  # plain greedy: transformers' generate gives the same tokens
 
 

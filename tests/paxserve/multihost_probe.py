@@ -5,6 +5,8 @@
 Each model in turn: every rank builds the engine with the same settings (tensor parallel 4 over the
 two processes); rank 0 completes the requests of `multihost_args` and writes them, with
 what the engine decided, to OUT.rank0.json; rank 1 runs rank 0's steps until rank 0 closes the engine.
+Then the first model again with n-gram speculation, its proposals the first run's own answers (right
+for two tokens, then wrong), so that steps verify and reject proposals over both processes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=2"])
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.paxserve.multihost_args import ENGINE_ARGS, PROMPTS, logprob_rows, sampling_params  # noqa: E402
+from tests.paxserve.multihost_args import ENGINE_ARGS, PROMPTS, SPEC, logprob_rows, sampling_params  # noqa: E402
 
 
 def main() -> int:
@@ -46,6 +48,24 @@ def main() -> int:
             "blocks_free": engine.kv.num_free_blocks,
             "buckets": sorted(engine.runner.compiled),
         }
+        engine.close()
+    engine = Engine(models[0], **ENGINE_ARGS, nnodes=2, node_rank=rank, master_port=port,
+                    distributed_init_timeout=60, speculative_config=SPEC)
+    if engine.is_worker:
+        results["spec"] = {"worker_steps": engine.run_worker()}
+    else:
+        from tests.paxserve.test_spec_decode import FlatTimes, OracleProposer
+
+        core = engine.parts.core
+        answers = [p + t for p, t in zip(PROMPTS, results[models[0]]["tokens"])]
+        core._speculator.proposer = OracleProposer(answers, right=2, vocab_size=engine.model.config.vocab_size)
+        core._speculator.times = FlatTimes()
+        outs = engine.generate(PROMPTS, sampling_params(), use_tqdm=False)
+        stats = core.spec_stats
+        results["spec"] = {"tokens": [o.outputs[0].token_ids for o in outs], "logprobs": logprob_rows(outs[1]),
+                           "drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+                           "accepted": stats.num_accepted_tokens, "blocks_free": engine.kv.num_free_blocks,
+                           "kv_blocks": engine.plan.num_blocks}
         engine.close()
     out_path.with_suffix(f".rank{rank}.json").write_text(json.dumps(
         {"devices": jax.device_count(), "local": jax.local_device_count(), "models": results}))

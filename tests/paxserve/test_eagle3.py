@@ -146,18 +146,25 @@ def test_eagle3_heads_propose_what_the_reference_head_does_and_outputs_stay_plai
         tiny_dir: Path, plain: dict[str, list], target: Any, tmp_path: Path) -> None:
     """A head in the published format (no embedding of its own: it reads the target's), through a
     pool too small for the batch: requests are preempted and recomputed, and the head catches up
-    on their positions again."""
+    on their positions again. With async scheduling: a step whose requests will not propose is
+    overlapped by the next, so the head may catch up on two steps' positions at once."""
     greedy = [o.outputs[0].token_ids for o in plain["greedy"]]
     common = int(np.bincount(np.concatenate(greedy)).argmax())
     head = write_head(tmp_path / "head", 1, 96, common)  # a seed whose head gets runs of proposals accepted
     engine = Engine(str(tiny_dir), speculative_config={"method": "eagle3", "model": str(head),
                                                        "num_speculative_tokens": 3},
-                    block_size=8, **{**ARGS, **SMALL_POOL})
+                    block_size=8, async_scheduling=True, **{**ARGS, **SMALL_POOL})
     core = engine.parts.core
     core._speculator.times = FlatTimes()
     eagle = core._speculator.eagle
     seen: list[tuple[list[int], list[int]]] = []
-    propose = eagle.propose_batch
+    propose, catch_up, steps_caught_up = eagle.propose_batch, eagle.catch_up, []
+
+    def counting(*args):  # noqa: ANN002, ANN202
+        steps_caught_up.append(len(eagle._pending))
+        return catch_up(*args)
+
+    eagle.catch_up = counting
 
     def recording(requests, rooms, block_ids):  # noqa: ANN001, ANN202
         out = propose(requests, rooms, block_ids)
@@ -178,6 +185,7 @@ def test_eagle3_heads_propose_what_the_reference_head_does_and_outputs_stay_plai
     assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     assert stats.accepted_per_position[1] > 0  # runs of accepted proposals: the head caught up on several
     assert core.stats.preemptions > 0
+    assert core.num_spec_waits > 0 and core.num_overlapped_steps > 0 and max(steps_caught_up) == 2
     assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
 
 

@@ -122,6 +122,21 @@ def test_two_processes_give_a_single_process_tokens_at_tp_4_and_transformers(
            f"(greedy, penalised, seeded; logprobs within 1e-4), = transformers on the greedy ones")
 
 
+def test_two_processes_verify_ngram_proposals_and_give_plain_decodings_tokens(
+        models: dict[str, tuple[Any, Path]], two_ranks: list[dict], report) -> None:
+    """Speculation over two hosts with async scheduling: rank 0 proposes and plans, both ranks run
+    the verifying steps; tokens and logprobs are the plain run's, and every block comes back."""
+    rank0, rank1 = two_ranks
+    plain, spec = rank0["models"][str(models["llama"][1])], rank0["models"]["spec"]
+    assert spec["tokens"] == plain["tokens"]
+    assert np.allclose(np.concatenate(spec["logprobs"]), np.concatenate(plain["logprobs"]), atol=1e-4)
+    assert spec["drafts"] > 4 and 0 < spec["accepted"] < spec["draft_tokens"], spec
+    assert spec["blocks_free"] == spec["kv_blocks"] - 1
+    assert rank1["models"]["spec"]["worker_steps"] > 0
+    report(f"n-gram speculation over 2 processes: {spec['accepted']} of {spec['draft_tokens']} proposed tokens "
+           f"accepted in {spec['drafts']} drafts, tokens and logprobs the plain run's")
+
+
 # ---- the start-up rendezvous (no JAX: plain sockets) ------------------------------------------------
 
 def _meet_all(ranks: list[int], nnodes: int, digests: dict[int, str], timeout: float = 2.0) -> dict[int, str]:

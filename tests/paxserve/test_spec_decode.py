@@ -55,8 +55,6 @@ def test_the_config_reads_vllm_json_and_names_what_is_wrong() -> None:
             SpeculativeConfig.parse(value)
     with pytest.raises(ValueError, match="EngineConfig.speculative_config.num_speculative_tokens"):
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": -1})
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=True)
 
 
 def test_ngram_lookup_proposes_what_followed_the_longest_latest_match() -> None:
@@ -89,6 +87,23 @@ def test_back_off_pauses_a_request_whose_proposals_fail_and_resumes_it() -> None
     stats.record(2, 0)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_position == [1, 1, 0] and stats.mean_acceptance_length == 2.0
+
+
+def test_with_async_scheduling_a_request_that_finds_nothing_lets_steps_overlap_longer_each_time() -> None:
+    backoff = DraftBackoff()
+    assert backoff.wants_results()
+    overlapped = []
+    for _ in range(6):  # each time its results were waited for, it found nothing to propose
+        backoff.found_nothing()
+        n = 0
+        while not backoff.wants_results():
+            backoff.waited()  # steps it decodes with its token in flight count the pause down
+            n += 1
+        overlapped.append(n)
+    assert overlapped == [1, 2, 4, 8, 16, 16]
+    backoff.found_nothing()
+    backoff.record(3, 1, 0.5)  # a proposal accepted: the next miss pauses for one step again
+    assert backoff.next_idle == 1
 
 
 def test_the_plan_verifies_what_pays_for_its_share_of_the_step() -> None:
@@ -297,7 +312,7 @@ class OracleProposer:
     first `right` tokens of every proposal and wrong after: every accept and reject path runs."""
 
     def __init__(self, answers: list[list[int]], right: int, vocab_size: int = VOCAB) -> None:
-        self.answers = answers
+        self.answers = answers  # a request with none finds nothing to propose
         self.right = right
         self.vocab_size = vocab_size
         self.calls = 0
@@ -353,12 +368,16 @@ def plain(tiny_dir: Path) -> dict[str, list]:
 SMALL_POOL = dict(kv_cache_memory_bytes=None, num_gpu_blocks_override=14, max_model_len=96)
 
 
-@pytest.mark.parametrize("block_size,prefix_caching,right", [(16, True, 2), (8, True, 4), (32, False, 1)])
+@pytest.mark.parametrize("block_size,prefix_caching,right,overlap", [(16, True, 2, False), (8, True, 4, False),
+                                                                     (32, False, 1, True)])
 def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
-        tiny_dir: Path, plain: dict[str, list], block_size: int, prefix_caching: bool, right: int) -> None:
+        tiny_dir: Path, plain: dict[str, list], block_size: int, prefix_caching: bool, right: int,
+        overlap: bool) -> None:
+    """`overlap`: with async scheduling, and proposals for every other request only: steps wait for
+    their predecessors' results where a request proposes, and overlap them where none will."""
     k = 4 if block_size == 8 else 3
     engine = Engine(str(tiny_dir), speculative_config={"method": "ngram", "num_speculative_tokens": k},
-                    block_size=block_size, enable_prefix_caching=prefix_caching,
+                    block_size=block_size, enable_prefix_caching=prefix_caching, async_scheduling=overlap,
                     **({**ARGS, **SMALL_POOL} if block_size == 8 else ARGS))
     core = engine.parts.core
     extra = plain["extra"]
@@ -366,7 +385,8 @@ def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
         expected = plain[name] + extra
         prompts = PROMPTS + [p for p, _ in EXTRA]
-        core._speculator.proposer = OracleProposer([p + o.outputs[0].token_ids for p, o in zip(prompts, expected)],
+        core._speculator.proposer = OracleProposer([p + o.outputs[0].token_ids for i, (p, o)
+                                                    in enumerate(zip(prompts, expected)) if not overlap or i % 2 == 0],
                                                    right)
         core._speculator.times = FlatTimes()  # every proposal is verified, whatever this machine's step times
         outs = engine.generate(prompts, [params] * len(PROMPTS) + [q for _, q in EXTRA], use_tqdm=False)
@@ -380,6 +400,9 @@ def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
     assert stats.num_accepted_tokens >= min(right, k) * stats.num_drafts // 2 > 0
     if right < k:
         assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections happened too
+    if overlap:
+        assert core.num_spec_waits > 0 and core.num_overlapped_steps > 0, (core.num_spec_waits,
+                                                                            core.num_overlapped_steps)
     if block_size == 8:
         assert core.stats.preemptions > 0
         # Stop token ids and max_tokens that fall inside an accepted run cut exactly where plain
