@@ -288,19 +288,22 @@ class TensorParallel:
         return NamedSharding(self.mesh, P())
 
     def shard_forward(self, forward: Callable[..., Any], params: Any, kv_cache: Any, *,
-                      attention_backend: Any) -> Callable[..., Any]:
+                      attention_backend: Any, aux_layers: tuple[int, ...] = ()) -> Callable[..., Any]:
         """`forward` run per device under `shard_map` on the local config: params and KV cache
         split as above, the batch (ids, positions, attention metadata) replicated, full-vocabulary
-        logits back on every device (so sampling sees every token)."""
+        logits back on every device (so sampling sees every token). With `aux_layers`, also the
+        residual streams an EAGLE-3 head reads: whole on every device (each layer's row-parallel
+        products are summed before they join the stream), so returned replicated."""
         kv_specs = jax.tree.map(lambda leaf: KV_CACHE_SPEC if leaf.ndim == 5 else P(), kv_cache)
+        extra = {"aux_layers": aux_layers} if aux_layers else {}
 
         def local_forward(params, kv_cache, input_ids, positions, metadata):  # noqa: ANN001, ANN202
             return forward(params, kv_cache, input_ids, positions, metadata, self.local,
-                           attention_backend=attention_backend, tp=self)
+                           attention_backend=attention_backend, tp=self, **extra)
 
         return jax.shard_map(local_forward, mesh=self.mesh,
                              in_specs=(self.param_specs(params), kv_specs, P(), P(), P()),
-                             out_specs=(P(), kv_specs), check_vma=False)
+                             out_specs=(P(), kv_specs, *((P(),) if aux_layers else ())), check_vma=False)
 
     def describe(self, weight_bytes: int, local_weight_bytes: int) -> str:
         """The split in plain words, for the start-up log."""

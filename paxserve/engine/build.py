@@ -36,7 +36,7 @@ from paxserve.models.loader import ModelInfo, inspect_model, load_model
 from paxserve.models.param_cache import cache_root
 from paxserve.models.quant_weights import GroupQuantizedWeight, QuantizedWeight, with_matmul_kernel
 from paxserve.models.registry import get_architecture
-from paxserve.models.sharding import TensorParallel, device_share, param_bytes
+from paxserve.models.sharding import TensorParallel, device_share, param_bytes, split_config
 from paxserve.models.eagle3 import Eagle3Config, inspect_eagle3, load_eagle3
 from paxserve.spec_decode.draft_model import DraftModel
 from paxserve.spec_decode.eagle3 import Eagle3Proposer
@@ -208,9 +208,6 @@ def _attention_backend(config: EngineConfig, cfg: Any, dtype: Any, kv_dtype: Any
 def _inspect_draft(config: EngineConfig, info: ModelInfo) -> ModelInfo:
     """The draft model's shapes, checked against the target's before anything loads."""
     spec = config.speculative_config
-    if config.tensor_parallel_size > 1 or config.nnodes > 1:
-        raise ValueError("speculative_config: a draft model runs on a single device for now; it cannot be used with "
-                         "--tensor-parallel-size or --nnodes above 1 (n-gram speculation can)")
     try:
         draft = inspect_model(spec.model, config.dtype)
     except (OSError, ValueError) as e:
@@ -219,15 +216,18 @@ def _inspect_draft(config: EngineConfig, info: ModelInfo) -> ModelInfo:
         raise ValueError(f"speculative_config.model={spec.model!r} has a vocabulary of {draft.config.vocab_size} "
                          f"tokens, the target model {info.config.vocab_size}: a draft model must share the target's "
                          "vocabulary (the same tokenizer)")
+    if config.tensor_parallel_size > 1:  # split over the target's devices as the target is
+        try:
+            TensorParallel.create(draft.config, config.tensor_parallel_size)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model={spec.model!r} is split over the target's devices: {e}") \
+                from None
     return draft
 
 
 def _inspect_eagle3(config: EngineConfig, info: ModelInfo) -> tuple[Eagle3Config, int]:
     """An EAGLE-3 head's config and weight bytes, checked against the target's before anything loads."""
     spec = config.speculative_config
-    if config.tensor_parallel_size > 1 or config.nnodes > 1:
-        raise ValueError("speculative_config: an EAGLE-3 head runs on a single device for now; it cannot be used "
-                         "with --tensor-parallel-size or --nnodes above 1 (n-gram speculation can)")
     try:
         return inspect_eagle3(spec.model, info.config, info.dtype.itemsize)
     except (OSError, ValueError) as e:
@@ -244,7 +244,7 @@ def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: Mo
                 list(cfg.aux_layers), spec.num_speculative_tokens, spec.num_speculative_tokens)
     backend = _attention_backend(config, cfg.layer, model.dtype, model.dtype)
     return Eagle3Proposer(cfg, params, model.params.embed, plan.num_blocks, config.block_size, backend,
-                          runner.fine_buckets)
+                          runner.fine_buckets, None if model.tp is None else model.tp.replicated)
 
 
 def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner: ModelRunner,
@@ -253,8 +253,8 @@ def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner
     if info.config.max_position_embeddings < plan.max_model_len:
         raise ValueError(f"speculative_config.model={spec.model!r} takes {info.config.max_position_embeddings} "
                          f"positions, fewer than max_model_len={plan.max_model_len}: lower --max-model-len")
-    model = load_model(spec.model, config.dtype)
-    cfg = model.config
+    model = load_model(spec.model, config.dtype, tensor_parallel_size=config.tensor_parallel_size)
+    cfg = model.config if model.tp is None else model.tp.local
     backend = _attention_backend(config, cfg, model.dtype, model.dtype)
     logger.info("speculative decoding: the draft model %s (%s, %d layers, %.2f GiB) proposes up to %d tokens "
                 "greedily before each step; its KV pages share the target's blocks (%d slots of lookahead per "
@@ -351,10 +351,13 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
                 info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
     num_devices = 1 if tp is None else tp.size
     draft_per_block = 0
-    if draft is not None:
-        weight_bytes += draft.weight_bytes
-        draft_per_block = kv_bytes_per_block(draft.config, config.block_size, draft.dtype.itemsize)
-    if eagle is not None:
+    if draft is not None:  # split over the devices as the target is
+        draft_arch = get_architecture(draft.config.architecture)
+        weight_bytes += draft.weight_bytes if tp is None else param_bytes(device_share(
+            draft.config, tp.size, lambda c: draft_arch.abstract_params(c, draft.dtype, draft.quantization)))
+        draft_per_block = kv_bytes_per_block(draft.config if tp is None else split_config(draft.config, tp.size)[0],
+                                             config.block_size, draft.dtype.itemsize)
+    if eagle is not None:  # whole on every device
         weight_bytes += eagle[1]
         draft_per_block = kv_bytes_per_block(eagle[0].layer, config.block_size, info.dtype.itemsize)
     plan = plan_kv_cache(local_cfg, config, kv_dtype.itemsize, weight_bytes, device_bytes, activation_bytes,

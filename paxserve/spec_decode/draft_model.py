@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxserve.core.request import Request
-from paxserve.kernels import AttentionBackend, KVCache
+from paxserve.kernels import AttentionBackend
 from paxserve.models.loader import LoadedModel
 from paxserve.models.quant_weights import matmul_kernel
+from paxserve.worker.model_runner import zeroed_kv_cache
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.step_functions import StepShapes, attention_metadata
 from paxserve.worker.step_inputs import SeqChunk, bucketed_batch
@@ -61,13 +62,13 @@ class DraftModel:
         self.max_tokens_per_pass = max_tokens_per_pass
         self.fine_buckets = fine_buckets
         cfg = model.config
-        self.kv_cache = KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                      model.dtype)
+        # Split like the target's over the same devices when the draft is (tensor parallelism).
+        self.kv_cache = zeroed_kv_cache(cfg, model.tp, num_blocks, block_size, np.dtype(model.dtype))
         # The target's step programs, for the draft's shapes: one "forward" per (tokens, sequences,
         # block width) bucket ("decode" for one token per sequence where the backend has a kernel
         # for it), compiled when first needed and stored like the target's.
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks, 1,
-                                 attention_backend, None, model.quantization, None, matmul_kernel(model.params))
+                                 attention_backend, model.tp, model.quantization, None, matmul_kernel(model.params))
         common = "|".join([environment_fingerprint(), source_fingerprint(), "draft"])
         self.programs = Programs(self.shapes.spec, lambda kind: common + self.shapes.fingerprint(kind), program_store,
                                  background=False)

@@ -24,6 +24,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from paxserve.core.scheduler import ScheduledRequest
 from paxserve.core.request import Request
@@ -38,17 +39,21 @@ _take = jax.jit(lambda rows, index: rows[index])
 
 
 class Eagle3Proposer:
-    """`target_embed`: the target's embedding table (a head without its own reads it)."""
+    """`target_embed`: the target's embedding table (a head without its own reads it). `replicated`:
+    under tensor parallelism, the mesh's whole-on-every-device sharding: the head (one layer) is not
+    split; its weights and cache are kept whole on every device, where the target's hidden states are."""
 
     def __init__(self, cfg: Eagle3Config, params: Eagle3Params, target_embed: jax.Array, num_blocks: int,
-                 block_size: int, attention_backend: AttentionBackend, fine_buckets: bool) -> None:
+                 block_size: int, attention_backend: AttentionBackend, fine_buckets: bool,
+                 replicated: NamedSharding | None = None) -> None:
         self.cfg = cfg
-        self.params = params
+        self.params = params if replicated is None else jax.device_put(params, replicated)
         self.target_embed = target_embed
         self.block_size = block_size
         self.fine_buckets = fine_buckets
         c = cfg.layer
-        self.kv_cache = KVCache.zeros(1, num_blocks, block_size, c.num_kv_heads, c.head_dim, params.final_norm.dtype)
+        make = partial(KVCache.zeros, 1, num_blocks, block_size, c.num_kv_heads, c.head_dim, params.final_norm.dtype)
+        self.kv_cache = make() if replicated is None else jax.jit(make, out_shardings=replicated)()
         self._forward = jax.jit(partial(eagle3_forward, cfg=cfg, attention_backend=attention_backend),
                                 donate_argnums=(2,), static_argnames=("with_head",))
         self._shapes: set[tuple[int, ...]] = set()

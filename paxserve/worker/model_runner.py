@@ -32,6 +32,7 @@ from paxserve.kernels import REFERENCE, AttentionBackend, KVCache
 from paxserve.models.config import ModelConfig
 from paxserve.models.loader import LoadedModel
 from paxserve.models.quant_weights import matmul_kernel
+from paxserve.models.sharding import TensorParallel
 from paxserve.worker.input_batch import InputBatch, PreparedStep
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.sampling.host_inputs import (
@@ -88,6 +89,17 @@ class DeviceStep:
     # The step's hidden states at `aux_layers`' inputs (an EAGLE-3 head reads them), on the device:
     # with async scheduling a step completes after its successor dispatched, so they travel with it.
     aux: jax.Array | None = None
+
+
+def zeroed_kv_cache(cfg: ModelConfig, tp: TensorParallel | None, num_blocks: int, block_size: int,
+                    dtype: np.dtype) -> KVCache:
+    """A zeroed KV cache for a model of `cfg`, split over `tp`'s mesh by KV heads when given."""
+    if tp is None:
+        return KVCache.zeros(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    # Made in place on the mesh (each device zeroes only its KV heads), never whole on one device.
+    heads = tp.num_kv_heads_stored
+    make = lambda: KVCache.zeros(cfg.num_layers, num_blocks, block_size, heads, cfg.head_dim, dtype)  # noqa: E731
+    return jax.jit(make, out_shardings=tp.kv_cache_shardings(jax.eval_shape(make)))()
 
 
 def zero_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: np.dtype) -> Future[KVCache]:
@@ -173,15 +185,7 @@ class ModelRunner:
         return self._scaled(self._zeroed_kv_cache())
 
     def _zeroed_kv_cache(self) -> KVCache:
-        cfg, tp = self.model.config, self.model.tp
-        if tp is None:
-            return KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                 self.kv_dtype)
-        # Made in place on the mesh (each device zeroes only its KV heads), never whole on one device.
-        heads = tp.num_kv_heads_stored
-        make = lambda: KVCache.zeros(cfg.num_layers, self._num_blocks, self.block_size, heads,  # noqa: E731
-                                     cfg.head_dim, self.kv_dtype)
-        return jax.jit(make, out_shardings=tp.kv_cache_shardings(jax.eval_shape(make)))()
+        return zeroed_kv_cache(self.model.config, self.model.tp, self._num_blocks, self.block_size, self.kv_dtype)
 
     def _checked_kv_cache(self, kv_cache: KVCache) -> KVCache:
         cfg = self.model.config

@@ -49,13 +49,11 @@ FORWARD_KINDS = ("forward", "decode", "all_logits", "verify")
 def run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
                 attention_backend: AttentionBackend, tp: TensorParallel | None, aux_layers: tuple[int, ...] = ()):
     """The model's forward on one device, or split over the mesh under tensor parallelism. With
-    `aux_layers` (one device only), it also returns the hidden states an EAGLE-3 head reads."""
+    `aux_layers`, it also returns the hidden states an EAGLE-3 head reads."""
     if tp is None:
         return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend,
                        **({"aux_layers": aux_layers} if aux_layers else {}))
-    if aux_layers:
-        raise ValueError("an EAGLE-3 head's hidden states are kept on one device only")
-    return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend)(
+    return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend, aux_layers=aux_layers)(
         params, kv_cache, input_ids, positions, metadata)
 
 
@@ -232,7 +230,7 @@ class StepShapes:
             fn = jitted_all_logits if kind == "all_logits" else jitted_logits
             out = (_shape((rows, vocab), jnp.float32, self._replicated), args[1])
             if self.aux_layers:
-                out += (_shape((t, len(self.aux_layers) * self.cfg.hidden_size), self.dtype),)
+                out += (_shape((t, len(self.aux_layers) * self.cfg.hidden_size), self.dtype, self._replicated),)
             return (lambda: fn(self.architecture.forward).lower(*args, **self.statics(kind))), args, out
         if kind == "sample":
             (s,) = sizes

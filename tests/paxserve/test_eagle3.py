@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from paxserve import Engine
+from paxserve.config import EngineConfig
 from paxserve.models.config import ModelConfig
 from paxserve.models.eagle3 import eagle3_config
 from paxserve.spec_decode.config import SpeculativeConfig
@@ -189,6 +190,38 @@ def test_eagle3_heads_propose_what_the_reference_head_does_and_outputs_stay_plai
     assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
 
 
+def test_an_eagle3_head_at_tp_2_proposes_what_the_reference_head_does(
+        tiny_dir: Path, plain: dict[str, list], target: Any, tmp_path: Path) -> None:
+    """Under tensor parallelism the target's steps return its hidden states whole on every device
+    and the head (one layer) runs whole on each, reading the target's vocabulary-split embedding."""
+    greedy = [o.outputs[0].token_ids for o in plain["greedy"]]
+    head = write_head(tmp_path / "head", 1, 96, int(np.bincount(np.concatenate(greedy)).argmax()))
+    engine = Engine(str(tiny_dir), speculative_config={"method": "eagle3", "model": str(head),
+                                                       "num_speculative_tokens": 3},
+                    tensor_parallel_size=2, **ARGS)
+    core = engine.parts.core
+    core._speculator.times = FlatTimes()
+    eagle = core._speculator.eagle
+    assert eagle.kv_cache.k.sharding.is_fully_replicated and len(eagle.kv_cache.k.sharding.device_set) == 2
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = eagle.propose_batch
+
+    def recording(requests, rooms, block_ids):  # noqa: ANN001, ANN202
+        out = propose(requests, rooms, block_ids)
+        seen.extend((r.token_ids_slice(0, r.num_tokens), p) for r, p in zip(requests, out) if p)
+        return out
+
+    eagle.propose_batch = recording
+    outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == greedy
+    reference = TorchHead(head, target)
+    assert len(seen) >= 8
+    for tokens, proposal in seen:
+        assert proposal == reference.proposals(tokens, len(proposal)), tokens
+    assert core.spec_stats.num_accepted_tokens > 0
+    assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
+
+
 def test_a_head_with_its_own_embedding_and_the_norm_before_its_residual_matches_the_reference(
         tiny_dir: Path, target: Any, tmp_path: Path) -> None:
     """The speculators format's variants, on the head's forward alone: one sequence's catch-up,
@@ -242,6 +275,8 @@ def test_eagle3_heads_that_cannot_serve_are_refused_with_the_reason(tiny_dir: Pa
                           ({"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 head")):
         with pytest.raises(ValueError, match=words):
             eagle3_config({**hf, **change}, llama)
+    with pytest.raises(ValueError, match="speculative_config=.eagle3.* with nnodes > 1 use method 'ngram'"):
+        EngineConfig(speculative_config=config, nnodes=2, node_rank=0)
     head = write_head(tmp_path / "head", 1, 64, 0)
     (head / "model.safetensors").rename(head / "elsewhere.bin")
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}

@@ -80,10 +80,12 @@ def test_a_size_the_model_cannot_take_fails_before_loading(tiny: tuple[Any, Path
         Engine(str(tiny[1]), **ARGS, tensor_parallel_size=3)
 
 
-def test_speculation_at_tp_2_gives_transformers_tokens(tiny: tuple[Any, Path]) -> None:
-    """Proposals verified under tensor parallelism (right for two tokens, then wrong), in the same
-    small pool with chunked prompts."""
-    from tests.paxserve.test_spec_decode import FlatTimes, OracleProposer
+def test_a_draft_model_at_tp_2_gives_transformers_tokens(tiny: tuple[Any, Path], caplog) -> None:
+    """A draft model split over the target's devices as the target is (here the target itself:
+    its greedy proposals are all right), with async scheduling, in the same small pool with chunked
+    prompts; the memory plan counts one device's share of the draft. (Proposals rejected under
+    tensor parallelism: test_multihost.py's n-gram run at TP 4.)"""
+    from tests.paxserve.test_spec_decode import FlatTimes
 
     hf, directory = tiny
     prompts = make_prompts(6, seed=7)
@@ -93,13 +95,17 @@ def test_speculation_at_tp_2_gives_transformers_tokens(tiny: tuple[Any, Path]) -
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
         refs.append(ref[0, len(prompt):].tolist())
-    engine = Engine(str(directory), **{**ARGS, "async_scheduling": False}, tensor_parallel_size=2,
-                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    with caplog.at_level(logging.INFO):
+        engine = Engine(str(directory), **{**ARGS, "async_scheduling": True}, tensor_parallel_size=2,
+                        speculative_config={"model": str(directory), "num_speculative_tokens": 3})
     core = engine.parts.core
-    core._speculator.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)], right=2, vocab_size=VOCAB)
     core._speculator.times = FlatTimes()
+    draft = core._speculator.draft
+    assert draft.model.tp is not None and draft.kv_cache.k.sharding.spec[3] == "tp"
+    assert "each block holds the draft model's pages too" in caplog.text
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True),
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs
-    assert 0 < core.spec_stats.num_accepted_tokens < core.spec_stats.num_draft_tokens
+    stats = core.spec_stats
+    assert stats.num_drafts > 3 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
     assert_no_blocks_held(engine)
