@@ -193,6 +193,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     parts.numerics_check = numerics_check
     if config.warmup:
         parts.warmup_seconds = _warmup(runner, config.max_num_seqs, max_num_batched_tokens)
+        if draft is not None or eagle is not None:
+            start = time.perf_counter()
+            count = draft.warmup(runner.warm_decode_widths) if draft is not None else \
+                eagle.warmup(runner.warm_decode_widths, len(eagle.cfg.aux_layers) * model.config.hidden_size)
+            logger.info("speculative decoding: %d single-sequence %s passes ready in %.1fs (block widths %s; "
+                        "other shapes compile when first needed, and are stored)", count,
+                        "draft-model" if draft is not None else "EAGLE-3 head", time.perf_counter() - start,
+                        runner.warm_decode_widths)
     return parts
 
 
@@ -244,7 +252,8 @@ def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: Mo
                 list(cfg.aux_layers), spec.num_speculative_tokens, spec.num_speculative_tokens)
     backend = _attention_backend(config, cfg.layer, model.dtype, model.dtype)
     return Eagle3Proposer(cfg, params, model.params.embed, plan.num_blocks, config.block_size, backend,
-                          runner.fine_buckets, None if model.tp is None else model.tp.replicated)
+                          runner.fine_buckets, None if model.tp is None else model.tp.replicated,
+                          _program_store(config, None))
 
 
 def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner: ModelRunner,

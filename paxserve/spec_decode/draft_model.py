@@ -33,7 +33,7 @@ from paxserve.models.quant_weights import matmul_kernel
 from paxserve.worker.model_runner import zeroed_kv_cache
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.step_functions import StepShapes, attention_metadata
-from paxserve.worker.step_inputs import SeqChunk, bucketed_batch
+from paxserve.worker.step_inputs import SeqChunk, bucketed_batch, next_power_of_2
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,21 @@ class DraftModel:
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks, 1,
                                  attention_backend, model.tp, model.quantization, None, matmul_kernel(model.params))
         common = "|".join([environment_fingerprint(), source_fingerprint(), "draft"])
+        devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(self.shapes.spec, lambda kind: common + self.shapes.fingerprint(kind), program_store,
-                                 background=False)
+                                 background=False, devices=devices)
         if program_store is not None:
             self.programs.scan_store()
         self._decode_kind = "decode" if attention_backend.decode_kernel else "forward"
         self.last_catch_up = 0  # the most tokens a request of the last `propose_batch` caught up on
+
+    def warmup(self, widths: list[int]) -> int:
+        """Have the single-sequence decode pass ready at these block widths (the target's warm-up
+        widths: a first answer's further proposals then wait for no compile). Returns how many."""
+        keys = [(self._decode_kind, 1, 1, next_power_of_2(w)) for w in widths]
+        for key in keys:
+            self.programs.get(key)
+        return len(set(keys))
 
     def propose_batch(self, requests: list[Request], rooms: list[int],
                       block_ids: Callable[[str], list[int]]) -> list[list[int]]:

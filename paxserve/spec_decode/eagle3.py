@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -28,10 +29,11 @@ from jax.sharding import NamedSharding
 
 from paxserve.core.scheduler import ScheduledRequest
 from paxserve.core.request import Request
-from paxserve.kernels import AttentionBackend, KVCache
+from paxserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from paxserve.models.eagle3 import Eagle3Config, Eagle3Params, eagle3_forward
+from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.step_functions import attention_metadata
-from paxserve.worker.step_inputs import SeqChunk, bucketed_batch
+from paxserve.worker.step_inputs import SeqChunk, bucketed_batch, next_power_of_2
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,9 @@ class Eagle3Proposer:
 
     def __init__(self, cfg: Eagle3Config, params: Eagle3Params, target_embed: jax.Array, num_blocks: int,
                  block_size: int, attention_backend: AttentionBackend, fine_buckets: bool,
-                 replicated: NamedSharding | None = None) -> None:
+                 replicated: NamedSharding | None = None, program_store: Path | None = None) -> None:
+        """`program_store`: where its compiled passes are kept (the runner's store: a restart loads
+        them instead of compiling)."""
         self.cfg = cfg
         self.params = params if replicated is None else jax.device_put(params, replicated)
         self.target_embed = target_embed
@@ -54,9 +58,20 @@ class Eagle3Proposer:
         c = cfg.layer
         make = partial(KVCache.zeros, 1, num_blocks, block_size, c.num_kv_heads, c.head_dim, params.final_norm.dtype)
         self.kv_cache = make() if replicated is None else jax.jit(make, out_shardings=replicated)()
+        self._replicated = replicated
         self._forward = jax.jit(partial(eagle3_forward, cfg=cfg, attention_backend=attention_backend),
                                 donate_argnums=(2,), static_argnames=("with_head",))
-        self._shapes: set[tuple[int, ...]] = set()
+        # Its passes are stored programs keyed ("eagle3", tokens, sequences, block width, hidden
+        # width, with head), lowered from these abstract weights and cache.
+        keep = (lambda x: x.sharding) if replicated is not None else (lambda x: None)
+        self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=keep(x)),
+                                      (self.params, target_embed, self.kv_cache))
+        common = "|".join([environment_fingerprint(), source_fingerprint(), "eagle3", repr(cfg),
+                           repr(attention_backend), f"{num_blocks}x{block_size}", repr(self._abstract)])
+        devices = jax.devices()[:1] if replicated is None else list(replicated.mesh.devices.flat)
+        self.programs = Programs(self._spec, lambda kind: common, program_store, background=False, devices=devices)
+        if program_store is not None:
+            self.programs.scan_store()
         # Target steps taken in since the last catch-up: each one's aux hidden states and, per request,
         # (first position, first row, rows). One with synchronous scheduling; with async scheduling
         # a step in flight may be taken in early, after its predecessor's was recorded.
@@ -65,6 +80,16 @@ class Eagle3Proposer:
         self._first: dict[str, tuple[int, int]] = {}
         self._hidden: jax.Array | None = None
         self.last_catch_up = 0  # the most positions of one request the last catch-up fed
+
+    def warmup(self, widths: list[int], aux_width: int) -> int:
+        """Have a single decoding sequence's passes ready at these block widths (the target's warm-up
+        widths): its catch-up on the target's hidden states (`aux_width` wide) with and without the
+        head's product, and a further pass on its own output. Returns how many programs."""
+        keys = {("eagle3", 1, 1, next_power_of_2(w), width, with_head) for w in widths
+                for width, with_head in ((aux_width, 0), (aux_width, 1), (self.cfg.layer.hidden_size, 1))}
+        for key in sorted(keys):
+            self.programs.get(key)
+        return len(keys)
 
     def record_step(self, scheduled: list[ScheduledRequest], aux: jax.Array) -> None:
         """A target step's aux hidden states [T, 3 x hidden], its rows in `scheduled`'s order."""
@@ -140,6 +165,20 @@ class Eagle3Proposer:
                 at[i] = j
         return [t[:room] for t, room in zip(tokens, rooms)]
 
+    def _spec(self, key: tuple) -> tuple:
+        """(lower, abstract arguments, example output) of a pass, as `Programs` builds them."""
+        _, t, s, b, width, with_head = key
+        i32, dtype = jnp.int32, self.params.final_norm.dtype
+        shape = jax.ShapeDtypeStruct
+        metadata = AttentionMetadata(slot_mapping=shape((t,), i32), block_tables=shape((s, b), i32),
+                                     context_lens=shape((s,), i32), query_start_loc=shape((s + 1,), i32),
+                                     logits_indices=shape((s,), i32))
+        hidden = shape((t, width), dtype, sharding=self._replicated)
+        args = (*self._abstract, shape((t,), i32), hidden, shape((t,), i32), metadata)
+        out = (shape((s,), i32) if with_head else None, shape((s, self.cfg.layer.hidden_size), dtype),
+               self._abstract[2])
+        return (lambda: self._forward.lower(*args, with_head=bool(with_head))), args, out
+
     def _run(self, feeds: list[tuple[Request, int, list[int]]], source: jax.Array, rows: np.ndarray,
              block_ids: Callable[[str], list[int]], with_head: bool = True) -> tuple[list[int], jax.Array]:
         """One pass of the head: each request feeds its tokens at positions from its start, reading
@@ -149,12 +188,16 @@ class Eagle3Proposer:
                                self.block_size, self.fine_buckets)
         t_pad = batch.input_ids.shape[0]
         hidden = _take(source, jnp.asarray(np.pad(rows, (0, t_pad - len(rows)))))
-        shape = (t_pad, batch.context_lens.shape[0], batch.block_tables.shape[1], int(hidden.shape[-1]), with_head)
-        if shape not in self._shapes:
-            self._shapes.add(shape)
+        if hidden.dtype != self.params.final_norm.dtype:
+            hidden = hidden.astype(self.params.final_norm.dtype)
+        if self._replicated is not None:
+            hidden = jax.device_put(hidden, self._replicated)
+        key = ("eagle3", t_pad, batch.context_lens.shape[0], batch.block_tables.shape[1], int(hidden.shape[-1]),
+               int(with_head))
+        if key not in self.programs:
             logger.info("EAGLE-3 head: first pass of shape %s (tokens, sequences, block width, hidden width, "
-                        "proposing); %d so far", shape, len(self._shapes))
-        out, x, self.kv_cache = self._forward(self.params, self.target_embed, self.kv_cache,
-                                              jnp.asarray(batch.input_ids), hidden, jnp.asarray(batch.positions),
-                                              attention_metadata(batch), with_head=with_head)
+                        "proposing); %d programs so far", key[1:], len(self.programs.keys()))
+        out, x, self.kv_cache = self.programs.get(key)(
+            self.params, self.target_embed, self.kv_cache, jnp.asarray(batch.input_ids), hidden,
+            jnp.asarray(batch.positions), attention_metadata(batch))
         return ([] if out is None else np.asarray(out)[:len(feeds)].tolist()), x

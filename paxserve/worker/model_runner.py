@@ -315,6 +315,11 @@ class ModelRunner:
             self.programs.compile_later((kind, grown, grown, b), guess=True)
             self.programs.compile_later(("sample", grown), guess=True)
 
+    @property
+    def warm_decode_widths(self) -> list[int]:
+        """The block widths warm-up readies single-sequence decode steps at (a drafter's too)."""
+        return sorted({min(w, self.max_blocks_per_seq) for w in _WARM_DECODE_WIDTHS})
+
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
         """Note the stored programs (a directory listing: none is loaded yet), then have the decode
         step of every batch-size bucket (block width 1) and its sampler ready: with background
@@ -333,8 +338,7 @@ class ModelRunner:
             # meanwhile. It is built at the block widths of `_WARM_DECODE_WIDTHS`, not 1: no chat
             # prompt fits in one block (the template alone passes 16 tokens), and a first answer's
             # decode steps then run without waiting for a compile until its context passes 8 blocks.
-            widths = sorted({min(w, self.max_blocks_per_seq) for w in _WARM_DECODE_WIDTHS})
-            now = [*((self.decode_kind, 1, 1, w) for w in widths), ("sample", 1)]
+            now = [*((self.decode_kind, 1, 1, w) for w in self.warm_decode_widths), ("sample", 1)]
         else:
             now = keys
         stored = [key for key in now if key in self.programs]  # loading first: it takes ms, not seconds

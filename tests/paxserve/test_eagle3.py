@@ -5,6 +5,9 @@ an independent torch implementation of the head proposes from the target's hidde
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +223,25 @@ def test_an_eagle3_head_at_tp_2_proposes_what_the_reference_head_does(
         assert proposal == reference.proposals(tokens, len(proposal)), tokens
     assert core.spec_stats.num_accepted_tokens > 0
     assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
+
+
+def test_a_second_start_loads_the_heads_passes_from_the_program_store(tiny_dir: Path, tmp_path: Path) -> None:
+    """The head's passes are stored programs like the target's steps: a second proposer on the same
+    folder (in a fresh process, JAX's own cache off, as a restart) loads every pass the first one
+    compiled, compiles none, and gives the same proposals."""
+    head = write_head(tmp_path / "head", 1, 96, 0)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "tests.paxserve.eagle3_store_probe", str(tiny_dir), str(head),
+                           str(tmp_path / "store")], capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    # Warm-up readied a decoding sequence's three passes; the prompt's catch-up compiled when first run.
+    assert first["warmed"] == 3
+    assert first["keys"] == ["eagle3-1-1-1-192-0", "eagle3-1-1-1-192-1", "eagle3-1-1-1-64-1", "eagle3-8-1-1-192-1"]
+    assert (first["compiled"], first["loaded"]) == (4, 0) and len(list(tmp_path.rglob("eagle3-*.xla"))) == 4
+    assert (second["compiled"], second["loaded"]) == (0, 3)  # what its passes needed, from the store
+    assert second["tokens"] == first["tokens"]
 
 
 def test_a_head_with_its_own_embedding_and_the_norm_before_its_residual_matches_the_reference(

@@ -103,6 +103,9 @@ def test_a_draft_model_at_tp_2_gives_transformers_tokens(tiny: tuple[Any, Path],
     draft = core._speculator.draft
     assert draft.model.tp is not None and draft.kv_cache.k.sharding.spec[3] == "tp"
     assert "each block holds the draft model's pages too" in caplog.text
+    # What an engine's warm-up readies: the single-sequence decode pass at the target's warm widths.
+    assert draft.warmup(engine.runner.warm_decode_widths) == 2
+    assert {key[1:] for key in draft.programs.keys()} == {(1, 1, 4), (1, 1, 8)}
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True),
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs
