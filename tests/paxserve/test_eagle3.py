@@ -20,7 +20,7 @@ from paxserve.models.config import ModelConfig
 from paxserve.models.eagle3 import eagle3_config
 from paxserve.spec_decode.config import SpeculativeConfig
 from tests.paxserve import test_spec_decode as spec
-from tests.paxserve.test_spec_decode import ARGS, EXTRA, GREEDY, PROMPTS, SAMPLED, SMALL_POOL, FlatTimes
+from tests.paxserve.test_spec_decode import ARGS, EXTRA, GREEDY, PROMPTS, SMALL_POOL, FlatTimes
 from tests.paxserve.tiny_checkpoints import MODEL_VOCAB as VOCAB
 
 # The speculation tests' target and its plain outputs (made again for this module).
@@ -176,17 +176,18 @@ def test_eagle3_heads_propose_what_the_reference_head_does_and_outputs_stay_plai
         return out
 
     eagle.propose_batch = recording
+    # Greedy rows beside penalised and structured ones (a seeded grammar row among them); seeded
+    # sampling at every verified position is the verification's, whatever proposed (test_spec_decode).
     prompts = PROMPTS + [p for p, _ in EXTRA]
-    for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        outs = engine.generate(prompts, [params] * len(PROMPTS) + [q for _, q in EXTRA], use_tqdm=False)
-        for out, want in zip(outs, plain[name] + plain["extra"]):
-            assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    outs = engine.generate(prompts, [GREEDY] * len(PROMPTS) + [q for _, q in EXTRA], use_tqdm=False)
+    for out, want in zip(outs, plain["greedy"] + plain["extra"]):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
     reference = TorchHead(head, target)
-    assert len(seen) > 40
+    assert len(seen) > 20
     for tokens, proposal in seen:
         assert proposal == reference.proposals(tokens, len(proposal)), tokens
     stats = core.spec_stats
-    assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     assert stats.accepted_per_position[1] > 0  # runs of accepted proposals: the head caught up on several
     assert core.stats.preemptions > 0
     assert core.num_spec_waits > 0 and core.num_overlapped_steps > 0 and max(steps_caught_up) == 2
