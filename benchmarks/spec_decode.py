@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram prompt lookup) on the real bundled model, off and on side by side.
 
-    python benchmarks/spec_decode.py [--runs 3] [--max-tokens 128] [--k 2 4] [--eagle3-k 3]
+    python benchmarks/spec_decode.py [--runs 3] [--max-tokens 128] [--k 2 4] [--eagle3-k 3] [--async-scheduling]
 
 SmolLM2-135M-Instruct (the bundled GGUF, served as the CPU default serves it), greedy, at batch 1
 and 8, with n-gram lookup, with the model as its own draft and with an EAGLE-3 head, on two
@@ -127,6 +127,8 @@ def main() -> None:
                         help="a random EAGLE-3 head with these k (none: skip)")
     parser.add_argument("--workloads", nargs="+", default=["grounded", "open-ended"],
                         choices=["grounded", "open-ended"])
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="every engine (the one without speculation too) schedules asynchronously, as on a GPU")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from paxserve import Engine
@@ -144,7 +146,8 @@ def main() -> None:
         head = random_eagle3_head(Path(tempfile.mkdtemp(prefix="eagle3-")))
         settings += [(f"eagle3 k={k}", {"method": "eagle3", "model": str(head), "num_speculative_tokens": k})
                      for k in args.eagle3_k]
-    engines = {name: Engine(speculative_config=spec, log_stats_interval=0, max_num_seqs=8) for name, spec in settings}
+    engines = {name: Engine(speculative_config=spec, log_stats_interval=0, max_num_seqs=8,
+                            async_scheduling=args.async_scheduling or None) for name, spec in settings}
     tokenizer = engines["off"].tokenizer
     print(f"{'workload':10} {'batch':>5} {'setting':>10} {'tok/s':>8} {'x off':>6} {'accept len':>10} "
           f"{'ms/tok p50':>10} {'p99':>7} {'same tokens':>11}")

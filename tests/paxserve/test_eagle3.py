@@ -216,10 +216,10 @@ def test_an_eagle3_head_at_tp_2_proposes_what_the_reference_head_does(
         return out
 
     eagle.propose_batch = recording
-    outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == greedy
+    outs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == greedy[:2]
     reference = TorchHead(head, target)
-    assert len(seen) >= 8
+    assert len(seen) >= 4
     for tokens, proposal in seen:
         assert proposal == reference.proposals(tokens, len(proposal)), tokens
     assert core.spec_stats.num_accepted_tokens > 0

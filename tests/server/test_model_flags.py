@@ -97,3 +97,20 @@ def test_real_server_applies_the_generation_config_and_requests_override_it(tmp_
         assert n == 6 and free != first
     finally:
         srv.stop()
+
+
+def test_speculative_config_flag_reaches_the_engine_config_and_a_bad_one_is_a_usage_error(capsys) -> None:
+    """vLLM's JSON, as a shell passes it: parsed at the command line, so a typo fails before any load."""
+    from paxserve.spec_decode.config import SpeculativeConfig
+
+    args = build_parser().parse_args(["serve", "--async-scheduling", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    assert config.speculative_config == SpeculativeConfig("ngram", 3, prompt_lookup_max=4)
+    assert config.async_scheduling is True  # speculation runs under async scheduling too
+    for text, words in (('{"method": "medusa", "num_speculative_tokens": 2}', "not available in paxserve yet"),
+                        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                        ('{"method": "eagle3", "num_speculative_tokens": 2}', "is required for method 'eagle3'")):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["serve", "--speculative-config", text])
+        assert exc.value.code == 2 and words in capsys.readouterr().err, text
