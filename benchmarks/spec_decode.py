@@ -160,6 +160,8 @@ def main() -> None:
                 engine = engines[name]
                 core = engine.parts.core
                 run(engine, batch, args.max_tokens)  # warm: every bucket this batch needs is compiled
+                for other in engines.values():  # no engine's background compiles run beside the timed runs
+                    other.runner.programs.wait()
                 before = (core.spec_stats.num_drafts, core.spec_stats.num_accepted_tokens)
                 rates, gaps = [], []
                 for _ in range(args.runs):

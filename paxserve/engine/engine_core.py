@@ -208,6 +208,9 @@ class EngineCore:
             outputs += self._fail_step(out, self.kv.take_registered(), e)
         if flight is not None:
             flight.num_preempted = len(out.preempted_ids)
+        if self._speculator is not None and self.async_scheduling:
+            self._speculator.record_dispatch(None if flight is None else (self._timed_program(flight.out),
+                                                                          flight.started))
         elif not out.scheduled:
             self.stats.on_step(0, 0, len(out.preempted_ids))
         if not self.async_scheduling:
@@ -285,8 +288,9 @@ class EngineCore:
             if successor is not None:
                 self._abandon(successor)
             return self._fail_step(out, flight.registered, e, self._live(flight))
-        if self._speculator is not None:  # steps run one at a time: this was the step's whole time
-            self._speculator.record_step(self._timed_program(out), time.perf_counter() - flight.started)
+        if self._speculator is not None:
+            if not self.async_scheduling:  # steps run one at a time: this was the step's whole time
+                self._speculator.record_step(self._timed_program(out), time.perf_counter() - flight.started)
             if self._speculator.eagle is not None and flight.step.device.aux is not None:
                 self._speculator.eagle.record_step(out.scheduled, flight.step.device.aux)
         if flight.prompt is not None and prompt_rows is not None:

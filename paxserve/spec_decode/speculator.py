@@ -51,6 +51,7 @@ class Speculator:
         self._steps_without_draft = 0
         self._probe_every = _DRAFT_PROBE
         self.overlap = overlap
+        self._last_dispatch: tuple[Hashable, float] | None = None
 
     def wants_results(self, in_flight_verifies: bool, running: Iterable[Request]) -> bool:
         """Async scheduling: whether to wait for the step in flight before proposing. Always when it
@@ -202,3 +203,13 @@ class Speculator:
     def record_step(self, program: Hashable, seconds: float) -> None:
         """A step's wall time (dispatch to results) by the program it ran."""
         self.times.record(program, seconds)
+
+    def record_dispatch(self, dispatched: tuple[Hashable, float] | None) -> None:
+        """Async scheduling: a step dispatched now (its program, when), or None when none was. A
+        step's cost is then the time from its dispatch to the next one's: one overlapped by its
+        successor costs the longer of its device time and the host's work, one that was waited for
+        (it verified proposals, or a request proposed after it) costs both, one after the other,
+        which the plan must see. A step after which nothing ran is not timed."""
+        last, self._last_dispatch = self._last_dispatch, dispatched
+        if last is not None and dispatched is not None:
+            self.times.record(last[0], dispatched[1] - last[1])
