@@ -208,11 +208,11 @@ class EngineCore:
             outputs += self._fail_step(out, self.kv.take_registered(), e)
         if flight is not None:
             flight.num_preempted = len(out.preempted_ids)
+        elif not out.scheduled:
+            self.stats.on_step(0, 0, len(out.preempted_ids))
         if self._speculator is not None and self.async_scheduling:
             self._speculator.record_dispatch(None if flight is None else (self._timed_program(flight.out),
                                                                           flight.started))
-        elif not out.scheduled:
-            self.stats.on_step(0, 0, len(out.preempted_ids))
         if not self.async_scheduling:
             return outputs + (self._complete(flight) if flight is not None else [])
         if self._in_flight is not None:
