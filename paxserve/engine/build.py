@@ -328,8 +328,7 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
     model's or EAGLE-3 head's weights and cache pages count too."""
     arch = get_architecture(info.config.architecture)
     local_cfg = info.config if tp is None else tp.local
-    weight_bytes = info.weight_bytes if tp is None else param_bytes(device_share(
-        info.config, tp.size, lambda c: arch.abstract_params(c, info.dtype, info.quantization), tp.expert_parallel))
+    weight_bytes = _device_weight_bytes(info, tp, tp is not None and tp.expert_parallel)
     memory = _device_memory()
     device_bytes = None if memory is None else memory.total_bytes
     if memory is not None:
@@ -360,10 +359,8 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
                 info.config.vocab_size, sampler_bytes / 2**20, "" if tp is None else " per device")
     num_devices = 1 if tp is None else tp.size
     draft_per_block = 0
-    if draft is not None:  # split over the devices as the target is
-        draft_arch = get_architecture(draft.config.architecture)
-        weight_bytes += draft.weight_bytes if tp is None else param_bytes(device_share(
-            draft.config, tp.size, lambda c: draft_arch.abstract_params(c, draft.dtype, draft.quantization)))
+    if draft is not None:  # split over the devices as the target is (never by experts: see _load_draft)
+        weight_bytes += _device_weight_bytes(draft, tp)
         draft_per_block = kv_bytes_per_block(draft.config if tp is None else split_config(draft.config, tp.size)[0],
                                              config.block_size, draft.dtype.itemsize)
     if eagle is not None:  # whole on every device
@@ -388,6 +385,15 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
                     "node rank %d's; each planned %s)", cluster.rank, cluster.nnodes, plan.num_blocks,
                     blocks.index(min(blocks)), blocks)
     return plan, activation_bytes
+
+
+def _device_weight_bytes(info: ModelInfo, tp: TensorParallel | None, expert_parallel: bool = False) -> int:
+    """One device's share of a model's weights when split over `tp` (all of them without)."""
+    if tp is None:
+        return info.weight_bytes
+    arch = get_architecture(info.config.architecture)
+    return param_bytes(device_share(info.config, tp.size,
+                                    lambda c: arch.abstract_params(c, info.dtype, info.quantization), expert_parallel))
 
 
 def _program_store(config: EngineConfig, cluster: Cluster | None) -> Path | None:

@@ -91,15 +91,13 @@ class DraftBackoff:
 
     def allows(self) -> bool:
         """Whether this step may propose (counts a paused step down)."""
-        self.idle = max(0, self.idle - 1)
-        if self.pause > 0:
-            self.pause -= 1
-            return False
-        return True
+        paused = self.pause > 0
+        self.waited()
+        return not paused
 
     def waited(self) -> None:
         """A step it decoded with its last token still in flight (async scheduling): it could not
-        propose, which counts its pauses down as a step without proposals does."""
+        propose, which counts its pauses down as any step does."""
         self.idle = max(0, self.idle - 1)
         self.pause = max(0, self.pause - 1)
 

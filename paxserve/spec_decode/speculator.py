@@ -65,14 +65,9 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return False
-        for r in running:
-            if r.paused or not r.num_output_placeholders or (r.matcher is not None and r.matcher.is_stopped()):
-                continue
-            if r.max_tokens - r.num_output_tokens - r.num_output_placeholders < 2:
-                continue  # no room for a proposal before max_tokens
-            if r.spec_backoff is None or r.spec_backoff.wants_results():
-                return True
-        return False
+        return any(r.num_output_placeholders and _room(r, 1) and (r.spec_backoff is None or
+                                                                  r.spec_backoff.wants_results())
+                   for r in running)
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set each running request's `spec_token_ids` for the next schedule: proposals for those
@@ -159,11 +154,8 @@ class Speculator:
             if r.paused or r.num_output_placeholders or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             decoding += 1
-            if r.matcher is not None and r.matcher.is_stopped():
-                continue
-            # Never past max_tokens: the token after the proposals is always kept too.
-            room = min(k, r.max_tokens - r.num_output_tokens - 1)
-            if room < 1:
+            room = _room(r, k)
+            if not room:
                 continue
             if r.spec_backoff is None:
                 r.spec_backoff = DraftBackoff()
@@ -213,3 +205,12 @@ class Speculator:
         last, self._last_dispatch = self._last_dispatch, dispatched
         if last is not None and dispatched is not None:
             self.times.record(last[0], dispatched[1] - last[1])
+
+
+def _room(r: Request, k: int) -> int:
+    """How many tokens a request may propose once its tokens in flight are known (at most k): none
+    while paused or when its grammar has ended, and never past max_tokens (the token after the
+    proposals is always kept too)."""
+    if r.paused or (r.matcher is not None and r.matcher.is_stopped()):
+        return 0
+    return max(0, min(k, r.max_tokens - r.num_output_tokens - r.num_output_placeholders - 1))

@@ -20,9 +20,9 @@ nothing while a step builds its own program, and runs at the lowest thread prior
 Program kinds and keys: ("forward", T, S, B), ("decode", T, S, B) (a pure-decode step on the
 decode-only kernel), ("all_logits", T, S, B) (prompt logprobs),
 ("sample", S) and ("score", T, S); speculative decoding's ("verify", T, S, B) and
-("verify_sample", N), and an EAGLE-3 head's passes ("eagle3", T, S, B, hidden width, with head). Lowering only ever sees abstract arguments (shapes, dtypes and
-placements), never the live params or caches, so a background compile cannot touch arrays the step
-loop is donating.
+("verify_sample", N), and an EAGLE-3 head's passes ("eagle3", T, S, B, hidden width, with head).
+Lowering only ever sees abstract arguments (shapes, dtypes and placements), never the live params or
+caches, so a background compile cannot touch arrays the step loop is donating.
 """
 
 from __future__ import annotations
