@@ -221,11 +221,6 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise ValueError(f"EngineConfig.{e}") from None
-        if self.speculative_config is not None and self.speculative_config.model and self.nnodes > 1:
-            # A drafter's passes run on rank 0 alone, between the steps the workers replay.
-            raise _bad("speculative_config", self.speculative_config.method,
-                       "runs its draft passes on one host for now (they are not part of the step plan the other "
-                       "hosts replay): with nnodes > 1 use method 'ngram'")
         if self.log_stats_interval < 0:
             raise _bad("log_stats_interval", self.log_stats_interval, "must be >= 0 seconds")
         if self.attention_backend not in ATTENTION_BACKENDS:

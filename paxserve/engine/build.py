@@ -176,8 +176,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          plan_sink=channel.send if channel is not None and not is_worker else None,
                          num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
                          aux_layers=() if eagle_info is None else eagle_info[0].aux_layers)
-    draft = None if draft_info is None else _load_draft(config, draft_info, plan, runner, max_num_batched_tokens)
-    eagle = None if eagle_info is None else _load_eagle3(config, model, plan, runner)
+    draft = None if draft_info is None else _load_draft(config, draft_info, plan, runner, max_num_batched_tokens,
+                                                        cluster)
+    eagle = None if eagle_info is None else _load_eagle3(config, model, plan, runner, cluster)
     stats = StatsLogger(config.log_stats_interval)
     core = EngineCore(runner, kv, scheduler, model.config.vocab_size, stats,
                       async_scheduling=_async_scheduling(config), isolate_failed_steps=cluster is None,
@@ -242,7 +243,8 @@ def _inspect_eagle3(config: EngineConfig, info: ModelInfo) -> tuple[Eagle3Config
         raise ValueError(f"speculative_config.model={spec.model!r} cannot serve as an EAGLE-3 head: {e}") from e
 
 
-def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: ModelRunner) -> Eagle3Proposer:
+def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: ModelRunner,
+                 cluster: Cluster | None) -> Eagle3Proposer:
     spec = config.speculative_config
     cfg, params = load_eagle3(spec.model, model.config, model.dtype)
     logger.info("speculative decoding: the EAGLE-3 head %s (%d-token draft vocabulary, reading the inputs of target "
@@ -253,11 +255,11 @@ def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: Mo
     backend = _attention_backend(config, cfg.layer, model.dtype, model.dtype)
     return Eagle3Proposer(cfg, params, model.params.embed, plan.num_blocks, config.block_size, backend,
                           runner.fine_buckets, None if model.tp is None else model.tp.replicated,
-                          _program_store(config, None))
+                          _program_store(config, cluster), plan_sink=runner.plan_sink)
 
 
 def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner: ModelRunner,
-                max_tokens_per_pass: int) -> DraftModel:
+                max_tokens_per_pass: int, cluster: Cluster | None) -> DraftModel:
     spec = config.speculative_config
     if info.config.max_position_embeddings < plan.max_model_len:
         raise ValueError(f"speculative_config.model={spec.model!r} takes {info.config.max_position_embeddings} "
@@ -271,7 +273,7 @@ def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner
                 spec.model, cfg.architecture, cfg.num_layers, info.weight_bytes / 2**30, spec.num_speculative_tokens,
                 spec.num_speculative_tokens)
     return DraftModel(model, plan.num_blocks, config.block_size, backend, max_tokens_per_pass, runner.fine_buckets,
-                      _program_store(config, None))
+                      _program_store(config, cluster), plan_sink=runner.plan_sink)
 
 
 def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:

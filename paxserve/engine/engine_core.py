@@ -292,7 +292,7 @@ class EngineCore:
             if not self.async_scheduling:  # steps run one at a time: this was the step's whole time
                 self._speculator.record_step(self._timed_program(out), time.perf_counter() - flight.started)
             if self._speculator.eagle is not None and flight.step.device.aux is not None:
-                self._speculator.eagle.record_step(out.scheduled, flight.step.device.aux)
+                self._speculator.eagle.record_step(out.scheduled, flight.step.device.aux, flight.step.device.index)
         if flight.prompt is not None and prompt_rows is not None:
             fill_prompt_logprobs(flight.buffers, flight.prompt, prompt_rows)
         requests = self._live(flight)

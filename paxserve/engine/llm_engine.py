@@ -174,7 +174,9 @@ class Engine:
             raise ValueError("run_worker is for node ranks 1..N-1 of a multi-host engine (nnodes > 1, node_rank > 0)")
         from paxserve.distributed.worker_loop import run_worker
 
-        return run_worker(self.parts.runner, self.parts.channel)
+        speculator = self.parts.core._speculator
+        drafter = None if speculator is None else speculator.eagle or speculator.draft
+        return run_worker(self.parts.runner, self.parts.channel, drafter)
 
     def close(self) -> None:
         """On rank 0 of a multi-host engine: tell the workers this engine is done (they return from

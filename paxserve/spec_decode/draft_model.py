@@ -13,6 +13,10 @@ there. Only speed depends on the draft's cache: verification decides every kept 
 page (a block a prefix-cache hit brought in, a recomputation) costs acceptance, never correctness.
 
 Greedy proposals are one token each, which is what `sampling.verify`'s acceptance rule is exact for.
+
+Over several hosts the draft is split over all their devices like the target, and each pass is a
+plan message (`DRAFT_PASS`: its plain inputs) the workers replay in order between the target's
+steps, so its collectives meet; only rank 0 reads the proposals.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from paxserve.core.request import Request
 from paxserve.kernels import AttentionBackend
 from paxserve.models.loader import LoadedModel
 from paxserve.models.quant_weights import matmul_kernel
-from paxserve.worker.model_runner import zeroed_kv_cache
+from paxserve.worker.model_runner import host_copy, zeroed_kv_cache
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.step_functions import StepShapes, attention_metadata
 from paxserve.worker.step_inputs import SeqChunk, bucketed_batch, next_power_of_2
@@ -38,6 +42,8 @@ from paxserve.worker.step_inputs import SeqChunk, bucketed_batch, next_power_of_
 logger = logging.getLogger(__name__)
 
 _argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+# A draft pass in a multi-host plan: (DRAFT_PASS, starts, chunks, block tables).
+DRAFT_PASS = "draft_pass"
 
 
 @dataclass(slots=True)
@@ -52,11 +58,14 @@ class DraftState:
 
 class DraftModel:
     """`program_store`: where its compiled passes are kept (the runner's store: a restart loads them
-    instead of compiling)."""
+    instead of compiling). `plan_sink`: on rank 0 of a multi-host engine, where each pass's plain
+    inputs go before it runs (the workers `replay` them)."""
 
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, attention_backend: AttentionBackend,
-                 max_tokens_per_pass: int, fine_buckets: bool, program_store: Path | None = None) -> None:
+                 max_tokens_per_pass: int, fine_buckets: bool, program_store: Path | None = None,
+                 plan_sink: Callable[[tuple], None] | None = None) -> None:
         self.model = model
+        self._plan_sink = plan_sink
         self.block_size = block_size
         self.attention_backend = attention_backend
         self.max_tokens_per_pass = max_tokens_per_pass
@@ -140,6 +149,16 @@ class DraftModel:
     def _run(self, starts: list[int], chunks: list[list[int]], tables: list[np.ndarray]) -> list[int]:
         """One forward of the draft over each sequence's chunk (fed at positions from its start);
         the greedy token after each chunk's last."""
+        if self._plan_sink is not None:
+            self._plan_sink((DRAFT_PASS, starts, chunks, tables))
+        return host_copy(self._launch(starts, chunks, tables))[:len(chunks)].tolist()
+
+    def replay(self, message: tuple) -> None:
+        """A multi-host worker: run rank 0's pass (`DRAFT_PASS`) on this host's devices."""
+        self._launch(*message[1:])
+
+    def _launch(self, starts: list[int], chunks: list[list[int]], tables: list[np.ndarray]) -> jax.Array:
+        """Start the pass; the greedy tokens of its padded rows, on the device."""
         n = len(chunks)
         batch = bucketed_batch([SeqChunk(chunk, start, table.tolist()) for chunk, start, table in
                                 zip(chunks, starts, tables)], self.block_size, self.fine_buckets)
@@ -151,4 +170,4 @@ class DraftModel:
         logits, self.kv_cache = self.programs.get(key)(
             self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
             attention_metadata(batch), jnp.zeros((1,), jnp.int32), jnp.full(batch.input_ids.shape, -1, jnp.int32))
-        return np.asarray(_argmax(logits))[:n].tolist()
+        return _argmax(logits)

@@ -66,7 +66,8 @@ _WARM_DECODE_WIDTHS = (_COVER_COST, 2 * _COVER_COST)
 # of the bundled model 2-2.5x slower): a guess at a program compiles only once no step has run for
 # this long. Steps follow each other within milliseconds while requests run.
 _QUIET_S = 0.5
-# The device calls a multi-host rank 0 publishes (`plan_sink`), and the end of its engine.
+# The device calls a multi-host rank 0 publishes (`plan_sink`), and the end of its engine. A
+# drafter's passes are published as their own kinds (`paxserve.spec_decode`).
 WRITE_STATE, DISPATCH, STOP = "write_state", "dispatch", "stop"
 
 
@@ -89,6 +90,10 @@ class DeviceStep:
     # The step's hidden states at `aux_layers`' inputs (an EAGLE-3 head reads them), on the device:
     # with async scheduling a step completes after its successor dispatched, so they travel with it.
     aux: jax.Array | None = None
+    # The runner's count of steps dispatched before this one: the same on every rank of a
+    # multi-host engine (workers replay every dispatch), so a drafter's pass can name the steps
+    # whose hidden states it reads.
+    index: int = -1
 
 
 def zeroed_kv_cache(cfg: ModelConfig, tp: TensorParallel | None, num_blocks: int, block_size: int,
@@ -171,7 +176,8 @@ class ModelRunner:
         self.tokens_run = 0
         self.tokens_real = 0
         self._all_allowed: dict[int, jax.Array] = {}  # the bitmask of steps without constrained rows, by S
-        self._plan_sink = plan_sink
+        self.plan_sink = plan_sink
+        self.num_dispatched = 0
 
     def _scaled(self, cache: KVCache) -> KVCache:
         """An fp8 cache with its calibrated per-layer scales (a new cache's are 1.0)."""
@@ -434,8 +440,8 @@ class ModelRunner:
     def write_sampler_state(self, writes: StateWrites) -> None:
         """Set the state rows of requests that start running (before the step that first samples
         them)."""
-        if self._plan_sink is not None:
-            self._plan_sink((WRITE_STATE, writes))
+        if self.plan_sink is not None:
+            self.plan_sink((WRITE_STATE, writes))
         self.sampler_state = write_state_rows_step(self.sampler_state, *state_writes_args(writes))
 
     def dispatch(self, batch: Batch, sampling: SamplingInputs,
@@ -443,8 +449,9 @@ class ModelRunner:
         """Start one step on the device (the forward, then sampling there) and return without
         waiting for it: JAX runs it while the host goes on. With `prompt`, the forward keeps logits
         at every position and the sampler scores them too."""
-        if self._plan_sink is not None:
-            self._plan_sink((DISPATCH, batch, sampling, prompt))
+        if self.plan_sink is not None:
+            self.plan_sink((DISPATCH, batch, sampling, prompt))
+        index, self.num_dispatched = self.num_dispatched, self.num_dispatched + 1
         t, s, b = batch.input_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1]
         self.tokens_run += t
         self.tokens_real += batch.num_tokens
@@ -454,12 +461,12 @@ class ModelRunner:
             packed, self.sampler_state = self._run(("verify_sample", n), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state, jnp.asarray(sampling.draft_tokens),
                                                    jnp.asarray(sampling.earlier_drafts))
-            return DeviceStep(packed, sampling.num_rows, n, None, self._aux)
+            return DeviceStep(packed, sampling.num_rows, n, None, self._aux, index)
         if prompt is None:
             logits = self._forward((batch.program, t, s, b), self.forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state)
-            return DeviceStep(packed, batch.num_seqs, s, None, self._aux)
+            return DeviceStep(packed, batch.num_seqs, s, None, self._aux, index)
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
         args = self.forward_args(batch)
@@ -467,7 +474,7 @@ class ModelRunner:
         packed, self.sampler_state = self._run(("score", t, s), logits, args[4].logits_indices,
                                                self._sampling_metadata(sampling), self.sampler_state,
                                                jnp.asarray(prompt.targets))
-        return DeviceStep(packed, batch.num_seqs, s, t, self._aux)
+        return DeviceStep(packed, batch.num_seqs, s, t, self._aux, index)
 
     def _forward(self, key: tuple, args: tuple[Any, ...]) -> jax.Array:
         """Run a forward program: its logits (the cache, and any aux hidden states, are kept)."""

@@ -1,6 +1,7 @@
 """Run by test_eagle3.py in a fresh Python process (JAX's persistent cache off, as in a real
 start): two EAGLE-3 proposers one after the other on one stored-program folder run the same passes
-(a catch-up with and without the head's product, a further pass on its own output), the first
+(a catch-up with the head's product, a further pass on its own output, a catch-up without the
+product), the first
 after its warm-up; prints what each compiled and loaded and their proposals, as one JSON line.
 
     python -m tests.paxserve.eagle3_store_probe MODEL_DIR HEAD_DIR STORE
@@ -36,9 +37,11 @@ def main() -> None:
         head = Eagle3Proposer(cfg, params, embed, 8, 16, REFERENCE, True, program_store=Path(store))
         if start == 0:  # as an engine's warm-up: a decoding sequence's passes, ready before any request
             warmed = head.warmup([1], aux.shape[1])
-        first, x = head._run([(request, 0, list(range(10, 16)))], aux, np.arange(6, dtype=np.int32), blocks)
-        head._run([(request, 6, [16])], aux, np.asarray([6], np.int32), blocks, with_head=False)
-        second, _ = head._run([(request, 7, [first[0]])], x, np.asarray([0], np.int32), blocks)
+        head.keep_aux(0, aux)
+        first = head._run([(request, 0, list(range(10, 16)))], (0,), np.arange(6, dtype=np.int32), blocks)
+        second = head._run([(request, 6, [first[0]])], None, np.asarray([0], np.int32), blocks)
+        head.keep_aux(1, aux)
+        head._run([(request, 7, [16])], (1,), np.asarray([6], np.int32), blocks, with_head=False)
         runs.append({"loaded": head.programs.num_loaded, "compiled": head.programs.num_compiled,
                      "keys": sorted("-".join(map(str, k)) for k in head.programs.keys()), "tokens": first + second,
                      "warmed": warmed})

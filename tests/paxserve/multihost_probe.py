@@ -1,12 +1,13 @@
 """One rank of a two-process engine (2 simulated CPU devices each), for test_multihost.py.
 
-    python multihost_probe.py RANK MASTER_PORT OUT MODEL_DIR [MODEL_DIR ...]
+    python multihost_probe.py RANK MASTER_PORT OUT EAGLE3_HEAD_DIR MODEL_DIR [MODEL_DIR ...]
 
 Each model in turn: every rank builds the engine with the same settings (tensor parallel 4 over the
 two processes); rank 0 completes the requests of `multihost_args` and writes them, with
 what the engine decided, to OUT.rank0.json; rank 1 runs rank 0's steps until rank 0 closes the engine.
-Then the first model again with n-gram speculation, its proposals the first run's own answers (right
-for two tokens, then wrong), so that steps verify and reject proposals over both processes.
+Then the first model again with speculation: n-gram (its proposals the first run's own answers,
+right for two tokens, then wrong, so that steps verify and reject proposals over both processes),
+itself as its draft model, and the EAGLE-3 head (their passes replayed by rank 1 too).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from tests.paxserve.multihost_args import ENGINE_ARGS, PROMPTS, SPEC, logprob_ro
 
 
 def main() -> int:
-    rank, port, out_path, models = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+    rank, port, out_path = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    head, models = sys.argv[4], sys.argv[5:]
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s: %(message)s")
     import jax
 
@@ -49,27 +51,45 @@ def main() -> int:
             "buckets": sorted(engine.runner.compiled),
         }
         engine.close()
-    engine = Engine(models[0], **ENGINE_ARGS, nnodes=2, node_rank=rank, master_port=port,
-                    distributed_init_timeout=60, speculative_config=SPEC)
-    if engine.is_worker:
-        results["spec"] = {"worker_steps": engine.run_worker()}
-    else:
-        from tests.paxserve.test_spec_decode import FlatTimes, OracleProposer
-
-        core = engine.parts.core
-        answers = [p + t for p, t in zip(PROMPTS, results[models[0]]["tokens"])]
-        core._speculator.proposer = OracleProposer(answers, right=2, vocab_size=engine.model.config.vocab_size)
-        core._speculator.times = FlatTimes()
-        outs = engine.generate(PROMPTS, sampling_params(), use_tqdm=False)
-        stats = core.spec_stats
-        results["spec"] = {"tokens": [o.outputs[0].token_ids for o in outs], "logprobs": logprob_rows(outs[1]),
-                           "drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
-                           "accepted": stats.num_accepted_tokens, "blocks_free": engine.kv.num_free_blocks,
-                           "kv_blocks": engine.plan.num_blocks}
-        engine.close()
+    answers = None if rank else [p + t for p, t in zip(PROMPTS, results[models[0]]["tokens"])]
+    for name, config in [("spec", SPEC), ("draft", {"model": models[0], "num_speculative_tokens": 3}),
+                         ("eagle3", {"method": "eagle3", "model": head, "num_speculative_tokens": 3})]:
+        results[name] = speculate(models[0], rank, port, config, answers)
     out_path.with_suffix(f".rank{rank}.json").write_text(json.dumps(
         {"devices": jax.device_count(), "local": jax.local_device_count(), "models": results}))
     return 0
+
+
+def speculate(model: str, rank: int, port: int, config: dict, answers: list[list[int]] | None) -> dict:
+    """The first model with `config`'s speculation: on rank 0 its outputs, counters and (a drafter's)
+    proposals with the tokens they followed; on a worker the steps it ran."""
+    from paxserve import Engine
+    from paxserve.spec_decode import acceptance
+    from tests.paxserve.test_spec_decode import FlatTimes, OracleProposer, record_proposals
+
+    engine = Engine(model, **ENGINE_ARGS, nnodes=2, node_rank=rank, master_port=port, distributed_init_timeout=60,
+                    speculative_config=config)
+    speculator = engine.parts.core._speculator
+    drafter = speculator.eagle or speculator.draft
+    if engine.is_worker:
+        return {"worker_steps": engine.run_worker(),
+                "drafter_programs": None if drafter is None else drafter.programs.num_compiled}
+    speculator.times = FlatTimes()  # every proposal is verified, whatever this machine's step times
+    acceptance._LOW_ACCEPTANCE = -1.0  # and no request backs off: each decoding step proposes
+    seen: list[tuple[list[int], list[int]]] = []
+    if drafter is None:
+        speculator.proposer = OracleProposer(answers, right=2, vocab_size=engine.model.config.vocab_size)
+    else:
+        seen = record_proposals(drafter)
+    outs = engine.generate(PROMPTS, sampling_params(), use_tqdm=False)
+    stats = engine.parts.core.spec_stats
+    result = {"tokens": [o.outputs[0].token_ids for o in outs], "logprobs": logprob_rows(outs[1]),
+              "drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+              "accepted": stats.num_accepted_tokens, "blocks_free": engine.kv.num_free_blocks,
+              "kv_blocks": engine.plan.num_blocks, "proposals": seen,
+              "drafter_programs": None if drafter is None else drafter.programs.num_compiled}
+    engine.close()
+    return result
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from paxserve.models.config import ModelConfig
 from paxserve.models.eagle3 import eagle3_config
 from paxserve.spec_decode.config import SpeculativeConfig
 from tests.paxserve import test_spec_decode as spec
-from tests.paxserve.test_spec_decode import ARGS, EXTRA, GREEDY, PROMPTS, SMALL_POOL, FlatTimes
+from tests.paxserve.test_spec_decode import ARGS, EXTRA, GREEDY, PROMPTS, SMALL_POOL, FlatTimes, record_proposals
 from tests.paxserve.tiny_checkpoints import MODEL_VOCAB as VOCAB
 
 # The speculation tests' target and its plain outputs (made again for this module).
@@ -31,16 +31,17 @@ AUX = [0, 1, 1]  # the tiny target has 2 layers (vLLM's default ids need 4 or mo
 
 
 def write_head(folder: Path, seed: int, draft_vocab: int, common: int, *, own_embed: bool = False,
-               norm_before_residual: bool = False) -> Path:
-    """A random head: its draft vocabulary maps half its ids onto distinct target tokens and half
-    onto the target's most frequent greedy token `common`, so some proposals get accepted."""
+               norm_before_residual: bool = False, vocab: int = VOCAB) -> Path:
+    """A random head for a target of `vocab` tokens (hidden size `HIDDEN`, 2 layers or more): its
+    draft vocabulary maps half its ids onto distinct target tokens and half onto the target's most
+    frequent greedy token `common`, so some proposals get accepted."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
               "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-              "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-5,
+              "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "max_position_embeddings": 512, "hidden_act": "silu",
               "tie_word_embeddings": False, "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}
     if norm_before_residual:
@@ -54,10 +55,10 @@ def write_head(folder: Path, seed: int, draft_vocab: int, common: int, *, own_em
     def norm() -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
 
-    targets = rng.permutation(VOCAB)[:draft_vocab]
+    targets = rng.permutation(vocab)[:draft_vocab]
     targets[draft_vocab // 2:] = common
     d2t = (targets - np.arange(draft_vocab)).astype(np.int64)
-    t2d = np.zeros(VOCAB, bool)
+    t2d = np.zeros(vocab, bool)
     t2d[targets] = True
     tensors = {"fc.weight": w(HIDDEN, 3 * HIDDEN), "midlayer.input_layernorm.weight": norm(),
                "midlayer.hidden_norm.weight": norm(), "midlayer.post_attention_layernorm.weight": norm(),
@@ -68,7 +69,7 @@ def write_head(folder: Path, seed: int, draft_vocab: int, common: int, *, own_em
                "midlayer.mlp.up_proj.weight": w(INTER, HIDDEN), "midlayer.mlp.down_proj.weight": w(HIDDEN, INTER),
                "norm.weight": norm(), "lm_head.weight": w(draft_vocab, HIDDEN), "d2t": d2t, "t2d": t2d}
     if own_embed:
-        tensors["embed_tokens.weight"] = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+        tensors["embed_tokens.weight"] = rng.standard_normal((vocab, HIDDEN)).astype(np.float32)
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
 
@@ -161,21 +162,14 @@ def test_eagle3_heads_propose_what_the_reference_head_does_and_outputs_stay_plai
     core = engine.parts.core
     core._speculator.times = FlatTimes()
     eagle = core._speculator.eagle
-    seen: list[tuple[list[int], list[int]]] = []
-    propose, catch_up, steps_caught_up = eagle.propose_batch, eagle.catch_up, []
+    seen = record_proposals(eagle)
+    catch_up, steps_caught_up = eagle.catch_up, []
 
     def counting(*args):  # noqa: ANN002, ANN202
         steps_caught_up.append(len(eagle._pending))
         return catch_up(*args)
 
     eagle.catch_up = counting
-
-    def recording(requests, rooms, block_ids):  # noqa: ANN001, ANN202
-        out = propose(requests, rooms, block_ids)
-        seen.extend((r.token_ids_slice(0, r.num_tokens), p) for r, p in zip(requests, out) if p)
-        return out
-
-    eagle.propose_batch = recording
     # Greedy rows beside penalised and structured ones (a seeded grammar row among them); seeded
     # sampling at every verified position is the verification's, whatever proposed (test_spec_decode).
     prompts = PROMPTS + [p for p, _ in EXTRA]
@@ -207,15 +201,7 @@ def test_an_eagle3_head_at_tp_2_proposes_what_the_reference_head_does(
     core._speculator.times = FlatTimes()
     eagle = core._speculator.eagle
     assert eagle.kv_cache.k.sharding.is_fully_replicated and len(eagle.kv_cache.k.sharding.device_set) == 2
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = eagle.propose_batch
-
-    def recording(requests, rooms, block_ids):  # noqa: ANN001, ANN202
-        out = propose(requests, rooms, block_ids)
-        seen.extend((r.token_ids_slice(0, r.num_tokens), p) for r, p in zip(requests, out) if p)
-        return out
-
-    eagle.propose_batch = recording
+    seen = record_proposals(eagle)
     outs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == greedy[:2]
     reference = TorchHead(head, target)
@@ -298,8 +284,9 @@ def test_eagle3_heads_that_cannot_serve_are_refused_with_the_reason(tiny_dir: Pa
                           ({"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 head")):
         with pytest.raises(ValueError, match=words):
             eagle3_config({**hf, **change}, llama)
-    with pytest.raises(ValueError, match="speculative_config=.eagle3.* with nnodes > 1 use method 'ngram'"):
-        EngineConfig(speculative_config=config, nnodes=2, node_rank=0)
+    # Over several hosts too (test_multihost.py runs one): the config takes it.
+    assert EngineConfig(speculative_config=config, nnodes=2, node_rank=0,
+                        tensor_parallel_size=2).speculative_config.method == "eagle3"
     head = write_head(tmp_path / "head", 1, 64, 0)
     (head / "model.safetensors").rename(head / "elsewhere.bin")
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}

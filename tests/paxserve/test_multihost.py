@@ -1,8 +1,9 @@
 """One engine over two processes on this machine (2 simulated CPU devices each, loopback, gloo):
 JAX's multi-controller runtime with a 4-device mesh, rank 0 scheduling and rank 1 running its plan.
 Its tokens are a single process's at tensor parallel 4 and transformers' (greedy rows), for a dense
-Llama and a Mixtral MoE. Also the start-up rendezvous alone: a missing, doubled or mismatched rank
-is named."""
+Llama and a Mixtral MoE; with speculation on (n-gram, a draft model, an EAGLE-3 head) they stay the
+plain run's, rank 1 replaying the drafter's passes too. Also the start-up rendezvous alone: a
+missing, doubled or mismatched rank is named."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from paxserve.distributed.cluster import Cluster
 from paxserve.distributed.rendezvous import Rendezvous, RendezvousError, settings_digest
 from tests.helpers import make_tiny_llama
 from tests.models.family_checkpoints import make_family_checkpoint
+from tests.paxserve.test_eagle3 import TorchHead, write_head
 from tests.paxserve.multihost_args import (
     ENGINE_ARGS,
     GREEDY_ROWS,
@@ -63,11 +65,25 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Pat
 
 
 @pytest.fixture(scope="module")
-def two_ranks(models: dict[str, tuple[Any, Path]], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Both ranks' reports of the two engines they ran, one after the other."""
+def head(models: dict[str, tuple[Any, Path]], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random EAGLE-3 head for the llama (the speculative runs' target), half its draft vocabulary
+    on the llama's most frequent greedy token, so that some proposals are accepted."""
+    hf, _ = models["llama"]
+    with torch.no_grad():
+        greedy = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
+                  for p in PROMPTS]
+    common = int(np.bincount(torch.cat(greedy).numpy()).argmax())
+    return write_head(tmp_path_factory.mktemp("multihost-head"), 11, 96, common, vocab=hf.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(models: dict[str, tuple[Any, Path]], head: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Both ranks' reports of the engines they ran, one after the other."""
     out = tmp_path_factory.mktemp("multihost-out") / "out"
     port = _free_port()
-    command = [sys.executable, str(PROBE), "RANK", str(port), str(out), *(str(d) for _, d in models.values())]
+    command = [sys.executable, str(PROBE), "RANK", str(port), str(out), str(head),
+               *(str(d) for _, d in models.values())]
     procs = [subprocess.Popen([*command[:2], str(rank), *command[3:]], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, errors="replace") for rank in (0, 1)]
     logs = [""] * 2
@@ -135,6 +151,47 @@ def test_two_processes_verify_ngram_proposals_and_give_plain_decodings_tokens(
     assert rank1["models"]["spec"]["worker_steps"] > 0
     report(f"n-gram speculation over 2 processes: {spec['accepted']} of {spec['draft_tokens']} proposed tokens "
            f"accepted in {spec['drafts']} drafts, tokens and logprobs the plain run's")
+
+
+@pytest.mark.parametrize("drafter", ["draft", "eagle3"])
+def test_two_processes_run_a_drafters_passes_and_give_plain_decodings_tokens(
+        drafter: str, models: dict[str, tuple[Any, Path]], head: Path, two_ranks: list[dict], report) -> None:
+    """A draft model (the llama as its own) and an EAGLE-3 head over two hosts: rank 0 publishes each
+    drafter pass and rank 1 replays it between the steps (the draft's collectives meet; the head
+    reads the target steps' hidden states on both). Tokens and logprobs are the plain run's, and
+    every proposal is what the drafter proposes in one process: the target's own greedy tokens
+    for the draft model, the torch reference head's for EAGLE-3."""
+    rank0, rank1 = two_ranks
+    hf, directory = models["llama"]
+    plain, spec = rank0["models"][str(directory)], rank0["models"][drafter]
+    assert spec["tokens"] == plain["tokens"]
+    assert np.allclose(np.concatenate(spec["logprobs"]), np.concatenate(plain["logprobs"]), atol=1e-4)
+    assert spec["blocks_free"] == spec["kv_blocks"] - 1
+    assert rank1["models"][drafter]["worker_steps"] > 0
+    # The worker ran the drafter's passes too (compiled the same programs for them).
+    assert rank1["models"][drafter]["drafter_programs"] == spec["drafter_programs"] > 0
+    proposals = spec["proposals"]
+    assert len(proposals) >= 4
+    if drafter == "draft":
+        for tokens, proposal in proposals:
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                                  max_new_tokens=len(proposal), do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert proposal == ref[0, len(tokens):].tolist(), tokens
+    else:
+        reference = TorchHead(head, hf)
+        for tokens, proposal in proposals:
+            assert proposal == reference.proposals(tokens, len(proposal)), tokens
+    if drafter == "draft":
+        assert spec["accepted"] > 0, spec
+    else:
+        # Each request drafts again after a rejected draft (the probe turns the back-off's pauses off;
+        # the engine's acceptance rate of 0 then stops the plan): its later proposals follow a
+        # catch-up over a verified step whose rejected positions were left out.
+        assert spec["drafts"] >= 2 * len(PROMPTS), spec
+    report(f"{drafter} over 2 processes: {spec['accepted']} of {spec['draft_tokens']} proposed tokens accepted in "
+           f"{spec['drafts']} drafts; {len(proposals)} proposals equal one process's reference; tokens and logprobs "
+           "the plain run's")
 
 
 # ---- the start-up rendezvous (no JAX: plain sockets) ------------------------------------------------

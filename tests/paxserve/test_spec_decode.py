@@ -341,6 +341,21 @@ class FlatTimes:
         return 0.0 if program[0] == "draft" else 1.0
 
 
+def record_proposals(drafter: Any) -> list[tuple[list[int], list[int]]]:
+    """Wrap a drafter's `propose_batch`: the returned list fills with (the request's tokens, what it
+    proposed after them) for every non-empty proposal."""
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose_batch
+
+    def recording(requests, rooms, block_ids):  # noqa: ANN001, ANN202
+        out = propose(requests, rooms, block_ids)
+        seen.extend((r.token_ids_slice(0, r.num_tokens), p) for r, p in zip(requests, out) if p)
+        return out
+
+    drafter.propose_batch = recording
+    return seen
+
+
 PROMPTS = [list(range(40, 70)) + list(range(40, 50)), [7, 8, 9] * 6, list(range(100, 112)),
            list(range(200, 260))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
