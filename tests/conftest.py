@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.helpers import release_compiled_programs  # noqa: E402 (needs the path above)
 
 # The Mosaic GPU kernels' tests need Python 3.12 + JAX 0.11.2 (GPU interpret mode): they run in their
-# own lane, tests/mosaic_gpu/lane.sh, which the README's test command runs after this suite.
+# own lane, tests/mosaic_gpu/lane.sh, which the README's test command (tests/run_all.sh) runs beside this suite.
 collect_ignore = ["mosaic_gpu"]
 
 # Parity and timing figures: (test name, description) -> value, shown in the terminal summary.

