@@ -30,7 +30,7 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import release_compiled_programs  # noqa: E402 (needs the path above)
+from tests.helpers import load_hf_smollm2, release_compiled_programs  # noqa: E402 (needs the path above)
 
 # The Mosaic GPU kernels' tests need Python 3.12 + JAX 0.11.2 (GPU interpret mode): they run in their
 # own lane, tests/mosaic_gpu/lane.sh, which the README's test command (tests/run_all.sh) runs beside this suite.
@@ -121,16 +121,9 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="session")
 def hf_smollm2():
-    """transformers' own SmolLM2 from the bundled GGUF and its tokenizer (dequantizing takes seconds:
-    once per run, for the model tests that compare against it)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from paxserve.models.bundled import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    """transformers' own SmolLM2 from the bundled GGUF and its tokenizer (once per worker, for the
+    model tests that compare against it; `load_hf_smollm2`)."""
+    return load_hf_smollm2()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001

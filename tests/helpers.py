@@ -179,3 +179,42 @@ def quantize_loaded(params: Any, method: str) -> Any:
         return jax.tree.map(jnp.asarray, quantization.quantize(np.asarray(leaf))) if path in QUANTIZABLE else leaf
 
     return map_fields(one, params)
+
+
+def load_hf_smollm2() -> tuple[Any, Any]:
+    """transformers' own SmolLM2 (float32, eval) and tokenizer from the bundled GGUF. Reading the file
+    takes transformers ~20 s (most of it parsing the GGUF metadata in Python), in every xdist worker
+    that needs it: the first saves what transformers made under the run's cache folder and the others
+    load that (~1 s): the same model, transformers' own conversion of the file."""
+    import pickle
+
+    import torch
+    import transformers
+    from filelock import FileLock
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paxserve.models.bundled import default_model_path
+
+    path = default_model_path()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    saved = cache / "paxserve" / f"hf-{path.stem}-{path.stat().st_size}-transformers-{transformers.__version__}"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(saved) + ".lock"):
+        if not (saved / "done").exists():
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            # transformers refuses to save a model read from a GGUF file: its config and tensors go
+            # as they are, and come back into a model made from that config.
+            saved.mkdir(exist_ok=True)
+            with open(saved / "config.pickle", "wb") as f:
+                pickle.dump(model.config, f)
+            save_model(model, str(saved / "model.safetensors"))
+            tokenizer.save_pretrained(str(saved))
+            (saved / "done").touch()
+            return model.eval(), tokenizer
+    with open(saved / "config.pickle", "rb") as f:
+        config = pickle.load(f)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_model(model, str(saved / "model.safetensors"))
+    return model.eval(), AutoTokenizer.from_pretrained(str(saved))

@@ -386,8 +386,10 @@ def plain(tiny_dir: Path) -> dict[str, list]:
 SMALL_POOL = dict(kv_cache_memory_bytes=None, num_gpu_blocks_override=14, max_model_len=96)
 
 
-@pytest.mark.parametrize("block_size,prefix_caching,right,overlap", [(16, True, 2, False), (8, True, 4, False),
-                                                                     (32, False, 1, True)])
+# Block size 16 (the default) verifies in test_with_background_compiles_no_step_waits_for_a_verifying_program
+# and on the real SmolLM2 (tests/models/test_smollm2.py). At block size 8 proposals are right for 3 of
+# 4 tokens: accepted runs long enough for a stop to fall inside one, and rejections, under preemption.
+@pytest.mark.parametrize("block_size,prefix_caching,right,overlap", [(8, True, 3, False), (32, False, 1, True)])
 def test_verified_outputs_equal_plain_decoding_greedy_and_seeded(
         tiny_dir: Path, plain: dict[str, list], block_size: int, prefix_caching: bool, right: int,
         overlap: bool) -> None:
