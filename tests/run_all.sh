@@ -10,6 +10,13 @@
 # all three passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The run starts many Python processes (servers, probes, worker ranks, the lane's parts), each
+# importing JAX, transformers and paxserve: with PYTHONDONTWRITEBYTECODE set (as on these machines)
+# and packages installed with --no-compile, every one compiled all of that source again (4.1 of a
+# server's 9-11 s start). Bytecode is cached once per run instead, under .pytest_cache, outside the
+# source tree.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$PWD/.pytest_cache/pycache}"
 lane_log="$(mktemp -t paxserve-mosaic-lane.XXXXXX)"
 bash tests/mosaic_gpu/lane.sh > "$lane_log" 2>&1 &
 lane_pid=$!
