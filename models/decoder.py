@@ -31,6 +31,7 @@ from paxserve.kernels.alibi import alibi_slopes
 from paxserve.kernels.kv_cache import fp8_bits
 
 if TYPE_CHECKING:
+    from paxserve.models.lora import LoraWeights
     from paxserve.models.sharding import TensorParallel
 
 
@@ -100,6 +101,8 @@ def forward(
     attention_backend: AttentionBackend = REFERENCE,
     tp: TensorParallel | None = None,
     aux_layers: tuple[int, ...] = (),
+    lora: LoraWeights | None = None,
+    lora_slots: Int[Array, " T"] | None = None,
 ) -> tuple[Float[Array, "S V"], KVCache] | tuple[Float[Array, "S V"], KVCache, Float[Array, "T A"]]:
     """Run a flattened ragged batch of new tokens; return float32 logits at
     `metadata.logits_indices` and the updated cache. `attention_backend` (static) picks the
@@ -109,8 +112,15 @@ def forward(
 
     With `tp`, this runs on one device inside `shard_map` (models/sharding.py): `cfg` and `params`
     are that device's share, the row-parallel products are summed over `tp.axis`, and the
-    logits are gathered to the whole vocabulary."""
+    logits are gathered to the whole vocabulary.
+
+    With `lora` (every slot's adapter, models/lora.py) and `lora_slots` (each token's slot, -1 for
+    the base model alone), each token's adapter adds its delta to the attention and MLP products."""
     num_tokens = input_ids.shape[0]
+    if (lora is None) != (lora_slots is None):
+        raise ValueError("lora and lora_slots go together")
+    if lora is not None and tp is not None:
+        raise ValueError("LoRA adapters run on one device for now")
     eps = cfg.rms_norm_eps
     reduce = None if tp is None else (lambda y: jax.lax.psum(y, tp.axis))
     x = _embed(params.embed, input_ids, tp, params.final_norm.dtype)
@@ -135,12 +145,28 @@ def forward(
     scanned |= {name: jnp.asarray(value) for name, value in mlp_slots(cfg).items()}
     if aux_layers:  # which of the kept streams each layer's input is (a layer may be named twice)
         scanned["aux"] = jnp.asarray(np.arange(cfg.num_layers)[:, None] == np.asarray(aux_layers)[None, :])
+    if lora is not None:
+        from paxserve.models.lora import lora_delta, slot_mask
+
+        scanned["lora"] = lora
+        mask = slot_mask(lora_slots, lora.qkv_a.shape[1], x.dtype)
+
+        def delta(xs: dict[str, Array], short: str) -> Any:
+            lw = xs.get("lora")
+            if lw is None or getattr(lw, f"{short}_a") is None:
+                return None
+            return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), getattr(lw, f"{short}_b"), mask)
+    else:
+        def delta(xs: dict[str, Array], short: str) -> Any:
+            return None
     fp8 = kv_cache.fp8
     if fp8 is not None:  # each layer's K and V scales
         scanned |= {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
 
     def attend(p: LayerParams, h: Array, k_cache: Array, v_cache: Array, xs: dict[str, Array]):
         qkv = dense(h, p.qkv_w, p.qkv_b)
+        if (qkv_delta := delta(xs, "qkv")) is not None:
+            qkv = qkv + qkv_delta(h)
         q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -163,12 +189,16 @@ def forward(
         )
         if fp8 is not None:
             out = (out.astype(jnp.float32) * xs["v_scale"]).astype(out.dtype)
-        return dense(out.reshape(num_tokens, q_size), p.o_w, p.o_b, reduce), k_cache, v_cache
+        out = out.reshape(num_tokens, q_size)
+        o = dense(out, p.o_w, p.o_b, reduce)
+        if (o_delta := delta(xs, "o")) is not None:
+            o = o + o_delta(out)
+        return o, k_cache, v_cache
 
     def ffn(p: LayerParams, h: Array, xs: dict[str, Array]) -> Array:
         if not cfg.num_experts:
             return mlp(h, p.up_w, p.up_b, p.down_w, p.down_b, act=cfg.hidden_act, gated=cfg.gated_mlp,
-                       reduce=reduce)
+                       reduce=reduce, up_delta=delta(xs, "up"), down_delta=delta(xs, "down"))
 
         def sparse(h: Array) -> Array:
             return moe_mlp(h, params.moe, xs["mlp_slot"], top_k=cfg.num_experts_per_tok,

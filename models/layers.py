@@ -94,14 +94,20 @@ def mlp(
     act: str,
     gated: bool,
     reduce: Reduce | None = None,
+    up_delta: Callable[[Array], Array] | None = None,
+    down_delta: Callable[[Array], Array] | None = None,
 ) -> Float[Array, "T H"]:
     """Gated MLP (act(gate) * up, gate and up fused into one matmul) or plain (act(up)); `reduce`
-    as in `dense`, for the down projection."""
+    as in `dense`, for the down projection. `up_delta` / `down_delta`: what each row's LoRA adapter
+    adds to the up and down products (models/lora.py), from their inputs."""
     h = dense(x, up_w, up_b)
+    if up_delta is not None:
+        h = h + up_delta(x)
     if gated:
         gate, up = jnp.split(h, 2, axis=-1)
         h = activation(act, gate) * up
     else:
         h = activation(act, h)
-    return dense(h, down_w, down_b, reduce)
+    y = dense(h, down_w, down_b, reduce)
+    return y if down_delta is None else y + down_delta(h)
 
