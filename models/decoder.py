@@ -119,8 +119,6 @@ def forward(
     num_tokens = input_ids.shape[0]
     if (lora is None) != (lora_slots is None):
         raise ValueError("lora and lora_slots go together")
-    if lora is not None and tp is not None:
-        raise ValueError("LoRA adapters run on one device for now")
     eps = cfg.rms_norm_eps
     reduce = None if tp is None else (lambda y: jax.lax.psum(y, tp.axis))
     x = _embed(params.embed, input_ids, tp, params.final_norm.dtype)
@@ -155,7 +153,8 @@ def forward(
             lw = xs.get("lora")
             if lw is None or getattr(lw, f"{short}_a") is None:
                 return None
-            return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), getattr(lw, f"{short}_b"), mask)
+            row_parallel = reduce if short in ("o", "down") else None
+            return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), getattr(lw, f"{short}_b"), mask, row_parallel)
     else:
         def delta(xs: dict[str, Array], short: str) -> Any:
             return None

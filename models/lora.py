@@ -15,7 +15,8 @@ token row carries its slot (-1: the base model alone) as runtime data, so any mi
 in the same compiled program: the delta is x @ A[slot] @ B[slot], computed as one product against
 every slot's A (a few columns each) masked to the row's own slot, then one against the B's. For a
 handful of slots of low rank that is a few percent of the base product, with no per-token gather
-of weight matrices.
+of weight matrices. Under tensor parallelism the slots split with their base weights
+(models/sharding.py): B by a column-parallel field's columns, A by a row-parallel field's rows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -239,10 +240,14 @@ def slot_mask(slots: Int[Array, " T"], num_slots: int, dtype: Any) -> Float[Arra
 
 
 def lora_delta(x: Float[Array, "T I"], a: Float[Array, "S I R"], b: Float[Array, "S R O"],
-               mask: Float[Array, "T S"]) -> Float[Array, "T O"]:
-    """Each row's x @ A[slot] @ B[slot] (zeros for a row without a slot), float32 accumulation."""
+               mask: Float[Array, "T S"], reduce: Callable[[Array], Array] | None = None) -> Float[Array, "T O"]:
+    """Each row's x @ A[slot] @ B[slot] (zeros for a row without a slot), float32 accumulation.
+    `reduce` (row-parallel: `x` and `a` hold this device's rows) sums the small x @ A over the
+    devices before the product with B, which every device holds whole."""
     xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype), precision=jax.lax.Precision.HIGHEST,
                     preferred_element_type=jnp.float32)
+    if reduce is not None:
+        xa = reduce(xa)
     xa = (xa * mask[:, :, None].astype(jnp.float32)).astype(x.dtype)
     y = jnp.einsum("tsr,sro->to", xa, b.astype(x.dtype), precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32)

@@ -53,6 +53,11 @@ def shard_rules(cfg: ModelConfig, vocab_parallel: bool, expert_parallel: bool = 
         "moe.experts_up_w": ShardRule(3, "gated"), "moe.experts_down_w": ShardRule(2),
         "moe.shared_up_w": ShardRule(2, "gated"), "moe.shared_down_w": ShardRule(1),
     }
+    # LoRA slots (models/lora.py, [L, slots, in, rank] and [L, slots, rank, out]) split with their
+    # base weights: a column-parallel field's B by the same columns (regrouped per device the same
+    # way), a row-parallel field's A by the same rows (its small product summed over the devices).
+    rules |= {"lora.qkv_b": ShardRule(3, "qkv"), "lora.o_a": ShardRule(2), "lora.up_b": ShardRule(3, gated),
+              "lora.down_a": ShardRule(2)}
     if expert_parallel:
         rules |= {"moe.experts_up_w": ShardRule(1), "moe.experts_down_w": ShardRule(1)}  # [L, E, in, out]
     if vocab_parallel:
@@ -265,6 +270,14 @@ class TensorParallel:
                              f"{self.size} devices")
         return jax.device_put(array, NamedSharding(self.mesh, self.spec(path, array.shape)))
 
+    def place_lora(self, lora: Any) -> Any:
+        """LoRA slots (host arrays, models/lora.py's `LoraWeights`) onto the mesh, split with their
+        base weights."""
+        return map_fields(lambda path, leaf: self.place(f"lora.{path}", leaf), lora)
+
+    def lora_specs(self, lora: Any) -> Any:
+        return map_fields(lambda path, leaf: self.spec(f"lora.{path}", tuple(leaf.shape)), lora)
+
     def abstract_params(self, abstract_params: Callable[[ModelConfig], Any]) -> Any:
         """The whole mesh's params as ShapeDtypeStructs with their shardings (`abstract_params(cfg)`
         gives a config's whole params), for lowering the step without weights."""
@@ -288,21 +301,25 @@ class TensorParallel:
         return NamedSharding(self.mesh, P())
 
     def shard_forward(self, forward: Callable[..., Any], params: Any, kv_cache: Any, *,
-                      attention_backend: Any, aux_layers: tuple[int, ...] = ()) -> Callable[..., Any]:
+                      attention_backend: Any, aux_layers: tuple[int, ...] = (), lora: Any = None
+                      ) -> Callable[..., Any]:
         """`forward` run per device under `shard_map` on the local config: params and KV cache
         split as above, the batch (ids, positions, attention metadata) replicated, full-vocabulary
         logits back on every device (so sampling sees every token). With `aux_layers`, also the
         residual streams an EAGLE-3 head reads: whole on every device (each layer's row-parallel
-        products are summed before they join the stream), so returned replicated."""
+        products are summed before they join the stream), so returned replicated. With `lora` (the
+        placed slots, `place_lora`), the function also takes the slots and each token's slot."""
         kv_specs = jax.tree.map(lambda leaf: KV_CACHE_SPEC if leaf.ndim == 5 else P(), kv_cache)
         extra = {"aux_layers": aux_layers} if aux_layers else {}
 
-        def local_forward(params, kv_cache, input_ids, positions, metadata):  # noqa: ANN001, ANN202
+        def local_forward(params, kv_cache, input_ids, positions, metadata, *lora_args):  # noqa: ANN001, ANN202
+            kwargs = extra | (dict(zip(("lora", "lora_slots"), lora_args)) if lora_args else {})
             return forward(params, kv_cache, input_ids, positions, metadata, self.local,
-                           attention_backend=attention_backend, tp=self, **extra)
+                           attention_backend=attention_backend, tp=self, **kwargs)
 
+        lora_specs = () if lora is None else (self.lora_specs(lora), P())
         return jax.shard_map(local_forward, mesh=self.mesh,
-                             in_specs=(self.param_specs(params), kv_specs, P(), P(), P()),
+                             in_specs=(self.param_specs(params), kv_specs, P(), P(), P(), *lora_specs),
                              out_specs=(P(), kv_specs, *((P(),) if aux_layers else ())), check_vma=False)
 
     def describe(self, weight_bytes: int, local_weight_bytes: int) -> str:

@@ -26,6 +26,10 @@ from paxserve.worker.step_inputs import SeqChunk, build_batch
 from tests.helpers import make_tiny_llama, rel_error
 from tests.models.family_checkpoints import make_family_checkpoint
 
+# transformers' and PEFT's own notices while PEFT wraps and saves a model (not paxserve's concern).
+pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers`:UserWarning")]
+
 MAX_RANK = 16
 NUM_SLOTS = 3
 # Adapters as users train them: all projections at rank 8; attention only at rank 4 with rsLoRA and
@@ -57,7 +61,8 @@ def write_adapter(base: Any, directory: Path, seed: int, **settings: Any) -> tup
 
 
 def run_batch(model: Any, prompts: list[list[int]], slots: list[int], lora: Any) -> np.ndarray:
-    """Last-position logits of each prompt, all in one step, each row through its slot."""
+    """Last-position logits of each prompt, all in one step, each row through its slot (split over
+    the model's devices as its params are, under tensor parallelism)."""
     block = 16
     free = list(range(1, 64))
     chunks = [SeqChunk(p, 0, [free.pop(0) for _ in range(-(-len(p) // block))]) for p in prompts]
@@ -67,14 +72,20 @@ def run_batch(model: Any, prompts: list[list[int]], slots: list[int], lora: Any)
     for p, slot in zip(prompts, slots):
         token_slots[start:start + len(p)] = slot
         start += len(p)
-    from paxserve.kernels import KVCache
+    from paxserve.kernels import REFERENCE
+    from paxserve.worker.model_runner import zeroed_kv_cache
 
-    cfg = model.config
-    cache = KVCache.zeros(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-    run = jax.jit(forward, static_argnames=("cfg",))
-    logits, _ = run(model.params, cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
-                    attention_metadata(batch), cfg=cfg, lora=jax.tree.map(jnp.asarray, lora),
-                    lora_slots=jnp.asarray(token_slots))
+    cfg, tp = model.config, model.tp
+    cache = zeroed_kv_cache(cfg, tp, 64, block, np.dtype(np.float32))
+    args = (jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), attention_metadata(batch))
+    if tp is None:
+        run = jax.jit(forward, static_argnames=("cfg",))
+        logits, _ = run(model.params, cache, *args, cfg=cfg, lora=jax.tree.map(jnp.asarray, lora),
+                        lora_slots=jnp.asarray(token_slots))
+    else:
+        placed = tp.place_lora(lora)
+        run = jax.jit(tp.shard_forward(forward, model.params, cache, attention_backend=REFERENCE, lora=placed))
+        logits, _ = run(model.params, cache, *args, placed, jnp.asarray(token_slots))
     return np.asarray(logits)[:len(prompts)]
 
 
@@ -154,3 +165,31 @@ def test_adapters_that_cannot_serve_are_refused_naming_why(tmp_path: Path) -> No
         config = json.loads((path / "adapter_config.json").read_text())
         (changed / "adapter_config.json").write_text(json.dumps({**config, key: value}))
         refused(changed, words)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_under_tensor_parallelism_the_slots_split_with_their_weights(size: int, tmp_path: Path, report) -> None:
+    """At TP 2 (a KV head per device) and TP 4 (each of the 2 KV heads on two devices, their K/V
+    columns repeated, B's too): every row's logits are transformers + PEFT's, the adapters' B split
+    by the fused QKV and gate|up columns as the base weights are, A by the o and down rows."""
+    base = make_tiny_llama(tmp_path / "base", seed=4, num_key_value_heads=2)
+    adapters = [write_adapter(base, tmp_path / f"adapter{i}", seed=20 + i, **s) for i, s in enumerate(ADAPTERS[:2])]
+    model = load_model(str(tmp_path / "base"), tensor_parallel_size=size)
+    layout = get_architecture(model.config.architecture).layout(model.config)
+    lora = empty_weights(model.config, layout, 2, MAX_RANK, np.float32)
+    for i, (path, _) in enumerate(adapters):
+        write_slot(lora, i, read_adapter(path, model.config, layout, MAX_RANK, np.float32))
+    placed = model.tp.place_lora(lora)
+    assert placed.qkv_b.sharding.spec[3] == "tp" and placed.o_a.sharding.spec[2] == "tp"
+    assert placed.qkv_a.sharding.is_fully_replicated and placed.o_b.sharding.is_fully_replicated
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (7, 19, 12)]
+    slots = [1, -1, 0]
+    ours = run_batch(model, prompts, slots, lora)
+    worst = 0.0
+    for row, (prompt, slot) in enumerate(zip(prompts, slots)):
+        want = last_logits(base if slot == -1 else adapters[slot][1], prompt)
+        err = rel_error(ours[row], want)[1]
+        worst = max(worst, err)
+        assert err < 1e-4, f"row {row} (slot {slot}): relative error {err:.2e}"
+    report(f"TP {size}: 2 adapters and a base row in one step = transformers + PEFT (worst {worst:.1e})")
