@@ -1,0 +1,64 @@
+"""The host's LoRA bookkeeping (paxserve/core/lora_slots.py): device slots handed out least recently
+used first and never taken from an adapter a running request uses; host memory holding the last
+`max_cpu_loras` adapters read; requests checked where they are made."""
+
+from __future__ import annotations
+
+import pytest
+
+from paxserve.core.lora_slots import LoraCache, LoraSlots
+from paxserve.lora_request import LoRARequest
+
+
+def test_slots_go_to_the_least_recently_used_adapter_no_running_request_uses() -> None:
+    slots = LoraSlots(2)
+    assert slots.acquire(7, set()) == (0, True)
+    assert slots.acquire(9, {7}) == (1, True)
+    assert slots.acquire(7, {7, 9}) == (0, False)  # held: nothing to write, and now most recently used
+    # Both slots are in use by running requests: the third adapter must wait.
+    assert slots.acquire(11, {7, 9}) is None and slots.slot(11) is None
+    # 9 is no longer used and least recently used: its slot changes hands.
+    assert slots.acquire(11, {7}) == (1, True)
+    assert slots.resident == {7: 0, 11: 1} and slots.slot(9) is None
+    # 7 is now the least recently used, but a running request uses it: 11's slot goes instead.
+    assert slots.acquire(9, {7}) == (1, True)
+    assert slots.release(9) == 1 and slots.slot(9) is None
+    assert slots.acquire(12, {7}) == (1, True)  # the freed slot, with 7 untouched
+    assert slots.release(99) is None
+    with pytest.raises(ValueError, match="max_loras must be an integer >= 1"):
+        LoraSlots(0)
+
+
+def test_the_host_cache_reads_each_adapter_once_while_it_is_held() -> None:
+    reads: list[str] = []
+
+    def read(request: LoRARequest) -> str:
+        if request.lora_path == "/broken":
+            raise ValueError("adapter_config.json not found")
+        reads.append(request.lora_path)
+        return f"weights of {request.lora_name}"
+
+    cache = LoraCache(2, read)
+    a, b, c = (LoRARequest(name, i, f"/{name}") for i, name in enumerate(("a", "b", "c"), start=1))
+    assert cache.get(a) == "weights of a" and cache.get(b) == "weights of b"
+    assert cache.get(a) == "weights of a" and reads == ["/a", "/b"]
+    cache.get(c)  # over max_cpu_loras: b, the least recently used, is dropped
+    assert 2 not in cache and 1 in cache and 3 in cache
+    cache.get(b)  # read again; a is dropped now
+    assert reads == ["/a", "/b", "/c", "/b"] and cache.num_reads == 4 and 1 not in cache
+    with pytest.raises(ValueError, match="LoRA id 3 is 'c' at /c, not /elsewhere: one id per adapter"):
+        cache.get(LoRARequest("c2", 3, "/elsewhere"))
+    with pytest.raises(ValueError, match="adapter_config.json not found"):
+        cache.get(LoRARequest("broken", 9, "/broken"))
+    assert 9 not in cache
+    cache.drop(3)
+    assert 3 not in cache and 2 in cache
+
+
+@pytest.mark.parametrize("args,words", [(("", 1, "/p"), "lora_name must be a non-empty string"),
+                                        (("a", 0, "/p"), "lora_int_id must be an integer >= 1"),
+                                        (("a", True, "/p"), "lora_int_id must be an integer >= 1"),
+                                        (("a", 1, ""), "lora_path must be a non-empty path")])
+def test_a_lora_request_names_what_is_wrong(args: tuple, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        LoRARequest(*args)
