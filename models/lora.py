@@ -101,6 +101,16 @@ def empty_weights(cfg: ModelConfig, layout: Layout, num_slots: int, max_rank: in
     return LoraWeights(**arrays)
 
 
+def abstract_weights(cfg: ModelConfig, layout: Layout, num_slots: int, max_rank: int, dtype: Any) -> LoraWeights:
+    """`empty_weights`' shapes and dtype only (for lowering programs without making the arrays)."""
+    arrays = {}
+    for name, (rows_in, width, rows_out) in _field_shapes(cfg, layout, max_rank).items():
+        short = name.removesuffix("_w")
+        arrays[f"{short}_a"] = jax.ShapeDtypeStruct((cfg.num_layers, num_slots, rows_in, width), np.dtype(dtype))
+        arrays[f"{short}_b"] = jax.ShapeDtypeStruct((cfg.num_layers, num_slots, width, rows_out), np.dtype(dtype))
+    return LoraWeights(**arrays)
+
+
 def _field_shapes(cfg: ModelConfig, layout: Layout, max_rank: int) -> dict[str, tuple[int, int, int]]:
     """(in, P x R, out) of each field the model has."""
     parts = _parts(layout)

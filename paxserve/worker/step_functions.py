@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
 from paxserve.models.quant_weights import with_matmul_kernel
-from paxserve.models.sharding import TensorParallel
+from paxserve.models.sharding import TensorParallel, stored_config
 from paxserve.sampling_params import MAX_LOGPROBS
 from paxserve.worker.sampling.host_inputs import PACKED_WIDTH, bitmask_width
 from paxserve.worker.sampling.sampler import (
@@ -47,14 +47,18 @@ FORWARD_KINDS = ("forward", "decode", "all_logits", "verify")
 
 
 def run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg,  # noqa: ANN001, ANN202
-                attention_backend: AttentionBackend, tp: TensorParallel | None, aux_layers: tuple[int, ...] = ()):
+                attention_backend: AttentionBackend, tp: TensorParallel | None, aux_layers: tuple[int, ...] = (),
+                lora: Any = None, lora_slots: Any = None):
     """The model's forward on one device, or split over the mesh under tensor parallelism. With
-    `aux_layers`, it also returns the hidden states an EAGLE-3 head reads."""
+    `aux_layers`, it also returns the hidden states an EAGLE-3 head reads; with `lora` (LoRA slots,
+    models/lora.py) and `lora_slots` (each token's slot, -1 for none), each token's adapter applies."""
+    lora_kw = {} if lora is None else {"lora": lora, "lora_slots": lora_slots}
     if tp is None:
         return forward(params, kv_cache, input_ids, positions, metadata, cfg, attention_backend=attention_backend,
-                       **({"aux_layers": aux_layers} if aux_layers else {}))
-    return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend, aux_layers=aux_layers)(
-        params, kv_cache, input_ids, positions, metadata)
+                       **({"aux_layers": aux_layers} if aux_layers else {}), **lora_kw)
+    return tp.shard_forward(forward, params, kv_cache, attention_backend=attention_backend, aux_layers=aux_layers,
+                            lora=lora)(params, kv_cache, input_ids, positions, metadata,
+                                       *(() if lora is None else (lora, lora_slots)))
 
 
 @cache
@@ -63,11 +67,11 @@ def jitted_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
     jitted function per architecture, shared by all runners. Under tensor parallelism the forward
     runs split over the mesh and the logits come back whole on every device."""
 
-    def logits(params, kv_cache, input_ids, positions, metadata, last_token, token_source, cfg,  # noqa: ANN001, ANN202
-               attention_backend=REFERENCE, tp=None, aux_layers=()):  # noqa: ANN001
+    def logits(params, kv_cache, input_ids, positions, metadata, last_token, token_source,  # noqa: ANN001, ANN202
+               lora=None, lora_slots=None, *, cfg, attention_backend=REFERENCE, tp=None, aux_layers=()):  # noqa: ANN001
         input_ids = _with_last_tokens(input_ids, last_token, token_source)
         return run_forward(forward, params, kv_cache, input_ids, positions, metadata, cfg, attention_backend, tp,
-                           aux_layers)
+                           aux_layers, lora, lora_slots)
 
     return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
 
@@ -85,11 +89,11 @@ def jitted_all_logits(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     def logits(params, kv_cache, input_ids: Int[Array, " T"], positions: Int[Array, " T"],  # noqa: ANN001, ANN202
                metadata: AttentionMetadata, last_token: Int[Array, " R"], token_source: Int[Array, " T"],
-               cfg, attention_backend=REFERENCE, tp=None, aux_layers=()):  # noqa: ANN001
+               lora=None, lora_slots=None, *, cfg, attention_backend=REFERENCE, tp=None, aux_layers=()):  # noqa: ANN001
         input_ids = _with_last_tokens(input_ids, last_token, token_source)
         every = metadata.replace(logits_indices=jnp.arange(input_ids.shape[0], dtype=jnp.int32))
         return run_forward(forward, params, kv_cache, input_ids, positions, every, cfg, attention_backend, tp,
-                           aux_layers)
+                           aux_layers, lora, lora_slots)
 
     return jax.jit(logits, static_argnames=STATIC, donate_argnums=(1,))
 
@@ -144,6 +148,7 @@ class StepShapes:
     matmul_kernel: Any = None  # the MatmulKernel quantized weights run on (None: XLA's matmul)
     num_spec_tokens: int = 0  # speculative decoding's k: a sequence verifies at most k proposals
     aux_layers: tuple[int, ...] = ()  # forwards also return these layers' input streams (an EAGLE-3 head's)
+    lora: tuple[int, int] | None = None  # (slots, max rank): forwards take LoRA slots and each token's slot
 
     @property
     def verify_width(self) -> int:
@@ -190,13 +195,30 @@ class StepShapes:
             batch_row=_shape((s,), i32), keep=_shape((s,), bool),
             allowed_token_bitmask=_shape((s, bitmask_width(self.cfg.vocab_size)), i32))
 
+    def lora_weights(self) -> Any:
+        """The LoRA slots' abstract arrays (models/lora.py), placed as `TensorParallel.place_lora` does."""
+        from paxserve.models.lora import abstract_weights
+
+        num_slots, max_rank = self.lora
+        # Under tensor parallelism, the model as the mesh stores it (KV heads repeated up to the devices).
+        cfg = self.cfg if self.tp is None else stored_config(self.cfg, self.tp.size)
+        host = abstract_weights(cfg, self.architecture.layout(cfg), num_slots, max_rank, self.dtype)
+        if self.tp is None:
+            return host
+        from jax.sharding import NamedSharding
+
+        specs = self.tp.lora_specs(host)
+        return jax.tree.map(lambda leaf, spec: _shape(leaf.shape, leaf.dtype, NamedSharding(self.tp.mesh, spec)),
+                            host, specs)
+
     def forward_args(self, t: int, s: int, b: int, logits_rows: int | None = None) -> tuple[Any, ...]:
         i32 = jnp.int32
         metadata = AttentionMetadata(slot_mapping=_shape((t,), i32), block_tables=_shape((s, b), i32),
                                      context_lens=_shape((s,), i32), query_start_loc=_shape((s + 1,), i32),
                                      logits_indices=_shape((logits_rows or s,), i32))
-        return (self.params(), self.kv_cache(), _shape((t,), i32), _shape((t,), i32), metadata,
+        args = (self.params(), self.kv_cache(), _shape((t,), i32), _shape((t,), i32), metadata,
                 _shape((self.num_state_rows,), i32, self._replicated), _shape((t,), i32))
+        return args if self.lora is None else (*args, self.lora_weights(), _shape((t,), i32, self._replicated))
 
     def fingerprint(self, kind: str) -> str:
         """What shapes a program of `kind` here (besides JAX, the devices and the source): the model's
@@ -209,6 +231,8 @@ class StepShapes:
         if kind in FORWARD_KINDS:
             if self.aux_layers:
                 common += f"|aux{self.aux_layers}"
+            if self.lora is not None:
+                common += f"|lora{self.lora}"
             return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"
 

@@ -193,3 +193,41 @@ def test_under_tensor_parallelism_the_slots_split_with_their_weights(size: int, 
         worst = max(worst, err)
         assert err < 1e-4, f"row {row} (slot {slot}): relative error {err:.2e}"
     report(f"TP {size}: 2 adapters and a base row in one step = transformers + PEFT (worst {worst:.1e})")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_one_compiled_step_program_serves_any_mix_of_adapters(size: int, tmp_path: Path) -> None:
+    """The engine's forward program (lowered from abstract shapes, as `Programs` compiles it) takes
+    the slots' weights and each token's slot as arguments: one executable runs two different mixes
+    of adapters and base rows, each row matching transformers + PEFT."""
+    from paxserve.worker.model_runner import zeroed_kv_cache
+    from paxserve.worker.step_functions import StepShapes
+
+    base = make_tiny_llama(tmp_path / "base", seed=6, num_key_value_heads=2)
+    adapters = [write_adapter(base, tmp_path / f"adapter{i}", seed=30 + i, **s) for i, s in enumerate(ADAPTERS[:2])]
+    model = load_model(str(tmp_path / "base"), tensor_parallel_size=size)
+    cfg, tp = model.config, model.tp
+    layout = get_architecture(cfg.architecture).layout(cfg)
+    lora = empty_weights(cfg, layout, 2, MAX_RANK, np.float32)
+    for i, (path, _) in enumerate(adapters):
+        write_slot(lora, i, read_adapter(path, cfg, layout, MAX_RANK, np.float32))
+    lora = jax.tree.map(jnp.asarray, lora) if tp is None else tp.place_lora(lora)
+    block, num_blocks = 16, 32
+    shapes = StepShapes(cfg, model.architecture, np.dtype(np.float32), block, num_blocks, 5, tp=tp, lora=(2, MAX_RANK))
+    lower, abstract, _ = shapes.spec(("forward", 64, 4, 2))
+    program = lower().compile()
+    assert len(abstract) == 9  # the step's 7 arguments, then the slots' weights and each token's slot
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (11, 6, 20)]
+    for slots in ([0, -1, 1], [1, 0, -1]):
+        chunks = [SeqChunk(p, 0, [2 * i + 1, 2 * i + 2]) for i, p in enumerate(prompts)]
+        batch = build_batch(chunks, block, pad_tokens_to=64, pad_seqs_to=4, pad_blocks_to=2)
+        token_slots = np.full(64, -1, np.int32)
+        token_slots[:sum(map(len, prompts))] = np.repeat(slots, [len(p) for p in prompts])
+        cache = zeroed_kv_cache(cfg, tp, num_blocks, block, np.dtype(np.float32))
+        logits, _ = program(model.params, cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+                            attention_metadata(batch), jnp.zeros(5, jnp.int32), jnp.full(64, -1, jnp.int32), lora,
+                            jnp.asarray(token_slots))
+        for row, (prompt, slot) in enumerate(zip(prompts, slots)):
+            want = last_logits(base if slot == -1 else adapters[slot][1], prompt)
+            assert rel_error(np.asarray(logits)[row], want)[1] < 1e-4, (slots, row)
