@@ -149,15 +149,14 @@ def forward(
         scanned["lora"] = lora
         mask = slot_mask(lora_slots, lora.qkv_a.shape[1], x.dtype)
 
-        def delta(xs: dict[str, Array], short: str) -> Any:
-            lw = xs.get("lora")
-            if lw is None or getattr(lw, f"{short}_a") is None:
-                return None
-            row_parallel = reduce if short in ("o", "down") else None
-            return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), getattr(lw, f"{short}_b"), mask, row_parallel)
-    else:
-        def delta(xs: dict[str, Array], short: str) -> Any:
+    def delta(xs: dict[str, Array], short: str) -> Any:
+        """What each token's LoRA adapter adds to a product (`short`: qkv, o, up, down), from its
+        input; None without adapters for it."""
+        lw = xs.get("lora")
+        if lw is None or getattr(lw, f"{short}_a") is None:
             return None
+        row_parallel = reduce if short in ("o", "down") else None
+        return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), getattr(lw, f"{short}_b"), mask, row_parallel)
     fp8 = kv_cache.fp8
     if fp8 is not None:  # each layer's K and V scales
         scanned |= {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}

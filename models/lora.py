@@ -85,24 +85,15 @@ def _parts(layout: Layout) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
-def _field_rank(parts: int, max_rank: int) -> int:
-    return parts * max_rank
-
-
 def empty_weights(cfg: ModelConfig, layout: Layout, num_slots: int, max_rank: int, dtype: Any) -> LoraWeights:
     """Zeroed slots for `num_slots` adapters of rank up to `max_rank` (host numpy: the engine places
     them)."""
-    shapes = _field_shapes(cfg, layout, max_rank)
-    arrays = {}
-    for name, (rows_in, width, rows_out) in shapes.items():
-        short = name.removesuffix("_w")
-        arrays[f"{short}_a"] = np.zeros((cfg.num_layers, num_slots, rows_in, width), dtype)
-        arrays[f"{short}_b"] = np.zeros((cfg.num_layers, num_slots, width, rows_out), dtype)
-    return LoraWeights(**arrays)
+    return jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype),
+                        abstract_weights(cfg, layout, num_slots, max_rank, dtype))
 
 
 def abstract_weights(cfg: ModelConfig, layout: Layout, num_slots: int, max_rank: int, dtype: Any) -> LoraWeights:
-    """`empty_weights`' shapes and dtype only (for lowering programs without making the arrays)."""
+    """The shapes and dtype of `empty_weights` (for lowering programs without making the arrays)."""
     arrays = {}
     for name, (rows_in, width, rows_out) in _field_shapes(cfg, layout, max_rank).items():
         short = name.removesuffix("_w")
@@ -119,7 +110,7 @@ def _field_shapes(cfg: ModelConfig, layout: Layout, max_rank: int) -> dict[str, 
     out = {}
     for name, field_parts in parts.items():
         in_rows = layout.layer[name].shape()[0]
-        out[name] = (in_rows, _field_rank(len(field_parts), max_rank), sum(rows for _, rows in field_parts))
+        out[name] = (in_rows, len(field_parts) * max_rank, sum(rows for _, rows in field_parts))
     return out
 
 

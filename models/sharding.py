@@ -278,6 +278,13 @@ class TensorParallel:
     def lora_specs(self, lora: Any) -> Any:
         return map_fields(lambda path, leaf: self.spec(f"lora.{path}", tuple(leaf.shape)), lora)
 
+    def abstract_lora(self, lora: Any) -> Any:
+        """LoRA slots' ShapeDtypeStructs (models/lora.py's `abstract_weights`, the stored model's)
+        with the shardings `place_lora` gives them."""
+        return map_fields(lambda path, leaf: jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, self.spec(f"lora.{path}", tuple(leaf.shape)))),
+            lora)
+
     def abstract_params(self, abstract_params: Callable[[ModelConfig], Any]) -> Any:
         """The whole mesh's params as ShapeDtypeStructs with their shardings (`abstract_params(cfg)`
         gives a config's whole params), for lowering the step without weights."""

@@ -175,8 +175,7 @@ class Engine:
         from paxserve.distributed.worker_loop import run_worker
 
         speculator = self.parts.core._speculator
-        drafter = None if speculator is None else speculator.eagle or speculator.draft
-        return run_worker(self.parts.runner, self.parts.channel, drafter)
+        return run_worker(self.parts.runner, self.parts.channel, None if speculator is None else speculator.drafter)
 
     def close(self) -> None:
         """On rank 0 of a multi-host engine: tell the workers this engine is done (they return from

@@ -53,6 +53,11 @@ class Speculator:
         self.overlap = overlap
         self._last_dispatch: tuple[Hashable, float] | None = None
 
+    @property
+    def drafter(self) -> Eagle3Proposer | DraftModel | None:
+        """The model whose passes propose (the EAGLE-3 head or the draft model), None for n-gram."""
+        return self.eagle or self.draft
+
     def wants_results(self, in_flight_verifies: bool, running: Iterable[Request]) -> bool:
         """Async scheduling: whether to wait for the step in flight before proposing. Always when it
         verifies proposals (its requests cannot be scheduled before their accepted count is known);
@@ -79,7 +84,7 @@ class Speculator:
             r.spec_token_ids = []
         decoding, candidates = self._candidates(running, k)
         prior = self.engine_rate.rate
-        drafter = self.eagle or self.draft
+        drafter = self.drafter
         if drafter is not None:
             # A drafter's passes cost time whatever is accepted: they run only when drafting pays.
             # The EAGLE-3 head catches up whatever is proposed (its cache must not miss a position),

@@ -203,13 +203,7 @@ class StepShapes:
         # Under tensor parallelism, the model as the mesh stores it (KV heads repeated up to the devices).
         cfg = self.cfg if self.tp is None else stored_config(self.cfg, self.tp.size)
         host = abstract_weights(cfg, self.architecture.layout(cfg), num_slots, max_rank, self.dtype)
-        if self.tp is None:
-            return host
-        from jax.sharding import NamedSharding
-
-        specs = self.tp.lora_specs(host)
-        return jax.tree.map(lambda leaf, spec: _shape(leaf.shape, leaf.dtype, NamedSharding(self.tp.mesh, spec)),
-                            host, specs)
+        return host if self.tp is None else self.tp.abstract_lora(host)
 
     def forward_args(self, t: int, s: int, b: int, logits_rows: int | None = None) -> tuple[Any, ...]:
         i32 = jnp.int32

@@ -70,7 +70,7 @@ def speculate(model: str, rank: int, port: int, config: dict, answers: list[list
     engine = Engine(model, **ENGINE_ARGS, nnodes=2, node_rank=rank, master_port=port, distributed_init_timeout=60,
                     speculative_config=config)
     speculator = engine.parts.core._speculator
-    drafter = speculator.eagle or speculator.draft
+    drafter = speculator.drafter
     if engine.is_worker:
         return {"worker_steps": engine.run_worker(),
                 "drafter_programs": None if drafter is None else drafter.programs.num_compiled,
