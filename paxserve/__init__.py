@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "RequestOutputKind",
-           "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "LoRARequest", "RequestOutput", "CompletionOutput",
+           "RequestOutputKind", "SamplingParams"]
 
 _LAZY = {
     "Engine": "paxserve.engine.llm_engine",
     "AsyncEngine": "paxserve.engine.async_engine",
     "EngineConfig": "paxserve.config",
+    "LoRARequest": "paxserve.lora_request",
     "RequestOutput": "paxserve.outputs",
     "CompletionOutput": "paxserve.outputs",
     "SamplingParams": "paxserve.sampling_params",

@@ -102,6 +102,10 @@ class ClusterConfig:
         return self.nnodes > 1
 
 
+# vLLM's largest --max-lora-rank.
+MAX_LORA_RANK = 512
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None
@@ -141,6 +145,13 @@ class EngineConfig:
     # "prompt_lookup_max"}, {"model": PATH, ...} (a draft model) or {"method": "eagle3", "model": DIR, ...}
     # (a dict, its JSON text, or a SpeculativeConfig; parsed into the latter).
     speculative_config: Any = None
+    # vLLM's LoRA flags: serve PEFT adapters of the model (requests name one: `LoRARequest`); the
+    # device holds `max_loras` of them at once, each of rank up to `max_lora_rank`, and host memory
+    # `max_cpu_loras` read ones (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     log_stats_interval: float = 5.0  # seconds between stats log lines; 0 disables them
     attention_backend: str = "auto"  # "auto" | "mosaic" | "triton" ("pallas") | "reference"; resolved at start
     # Request defaults: "auto" = the checkpoint's generation_config.json (temperature, top_p, top_k,
@@ -171,7 +182,7 @@ class EngineConfig:
         names = ("max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
                  "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
                  "calculate_kv_scales", "speculative_config", "tensor_parallel_size",
-                 "enable_expert_parallel", "attention_backend", "nnodes")
+                 "enable_expert_parallel", "attention_backend", "nnodes", "enable_lora", "max_loras", "max_lora_rank")
         return {name: getattr(self, name) for name in names}
 
     def __post_init__(self) -> None:
@@ -221,6 +232,15 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise ValueError(f"EngineConfig.{e}") from None
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad(name, value, "must be an integer >= 1")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise _bad("max_lora_rank", self.max_lora_rank, f"must be <= {MAX_LORA_RANK}")
+        if self.max_cpu_loras is not None and (isinstance(self.max_cpu_loras, bool) or not isinstance(
+                self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise _bad("max_cpu_loras", self.max_cpu_loras, f"must be None or an integer >= max_loras ({self.max_loras})")
         if self.log_stats_interval < 0:
             raise _bad("log_stats_interval", self.log_stats_interval, "must be >= 0 seconds")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -30,15 +30,19 @@ class BlockHash:
     token_ids: tuple[int, ...]
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
-    """The key of a full block. `cache_salt` only matters for the first block (parent None): every
-    later key chains over it, so requests with different salts never share any block."""
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None,
+               lora_id: int = 0) -> BlockHash:
+    """The key of a full block. `cache_salt` and `lora_id` (the LoRA adapter the block's KV was
+    computed with, 0 for the base model) only matter for the first block (parent None): every later
+    key chains over them, so requests with different salts or adapters never share any block."""
     tokens = tuple(int(t) for t in token_ids)
     digest = hashlib.sha256()
     if parent is None:
         salt = (cache_salt or "").encode("utf-8")
         # Length-prefixed so that no salt/token split can be read two ways.
         digest.update(_ROOT_DOMAIN + struct.pack("<?I", cache_salt is not None, len(salt)) + salt)
+        if lora_id:  # base-model keys stay as they were
+            digest.update(struct.pack("<q", lora_id))
     else:
         digest.update(parent.value)
     digest.update(struct.pack(f"<{len(tokens)}q", *tokens))

@@ -34,6 +34,9 @@ class EngineCoreRequest:
     # The compiled structured-output constraint (paxserve.engine.grammar.CompiledGrammar): each sample
     # gets its own matcher from it.
     grammar: Any = None
+    # Its LoRA adapter: the paxserve.LoRARequest and the adapter's host weights (models/lora.py).
+    lora_request: Any = None
+    lora_adapter: Any = None
 
     def __post_init__(self) -> None:
         if len(self.seeds) != self.sampling_params.n:
@@ -99,6 +102,11 @@ class EngineSnapshot:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # LoRA (vLLM's lora_requests_info): the adapters running and waiting requests use, by name, and
+    # how many the device holds at once (0: LoRA is off).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int = 0
 
     def as_dict(self) -> dict[str, float | tuple[int, ...]]:
         return {name: getattr(self, name) for name in self.__slots__}

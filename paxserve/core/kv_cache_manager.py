@@ -62,7 +62,7 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids_slice(i * bs, (i + 1) * bs),
-                                     request.cache_salt))
+                                     request.cache_salt, request.lora_int_id))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

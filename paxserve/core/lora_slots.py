@@ -37,6 +37,10 @@ class LoraSlots:
     def resident(self) -> dict[int, int]:
         return dict(self._held)
 
+    def can_acquire(self, lora_id: int, in_use: set[int]) -> bool:
+        """Whether `acquire` would give `lora_id` a slot now (changing nothing)."""
+        return lora_id in self._held or bool(self._free) or any(held not in in_use for held in self._held)
+
     def acquire(self, lora_id: int, in_use: set[int]) -> tuple[int, bool] | None:
         """A slot for `lora_id`: (slot, whether its weights must be written there), or None when
         every slot holds an adapter a running request uses (`in_use`: their ids)."""

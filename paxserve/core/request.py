@@ -69,6 +69,10 @@ class Request:
     spec_backoff: Any = None  # its paxserve.spec_decode.acceptance.DraftBackoff, once it proposed
     spec_prompt: Any = None  # its prompt as a numpy array, made once for the proposer's lookups
     spec_draft: Any = None  # its paxserve.spec_decode.draft_model.DraftState: what the draft's cache holds
+    # Its LoRA adapter (paxserve.lora_request.LoRARequest) and the adapter's weights as read on the
+    # host (models/lora.py's LoraAdapter), written into a device slot when it is scheduled.
+    lora_request: Any = None
+    lora_adapter: Any = None
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids and self.max_tokens >= 1, "the input processor checked both"
@@ -78,6 +82,11 @@ class Request:
         """Whether some prompt token still lacks its logprob: such a request must compute its prompt
         rather than take it from the prefix cache (cached tokens have no logits)."""
         return self.prompt_logprobs is not None and not self.prompt_logprobs.complete
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

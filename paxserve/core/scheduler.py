@@ -10,14 +10,21 @@ recomputed later. Nothing ever runs out of memory.
 
 A paused request (its client reads slower than it is generated) keeps its place but is not
 scheduled, and is the first to give up its blocks to a request that can run.
+
+With LoRA adapters, a request starts running only once its adapter holds one of the device's slots
+(`LoraSlots`): one held by an adapter no running request uses is taken over, least recently used
+first. A waiting request whose adapter can get no slot is passed over, not waited for: requests
+behind it (the base model's, or a resident adapter's) still start.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from paxserve.core.kv_cache_manager import KVCacheManager
+from paxserve.core.lora_slots import LoraSlots
 from paxserve.core.request import Request, RequestStatus
 from paxserve.sampling_params import SamplingParams
 
@@ -49,6 +56,7 @@ class NewRequestData:
     seed: int
     eos_token_ids: tuple[int, ...]
     block_ids: list[int]  # its whole block table
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model alone)
 
 
 @dataclass(slots=True)
@@ -78,6 +86,9 @@ class SchedulerOutput:
     # Requests that stopped running since the previous schedule (finished, aborted or preempted,
     # this step's preemptions included): whatever they held per running request can be let go.
     left_running_ids: list[str] = field(default_factory=list)
+    # LoRA adapters that take a device slot this step: (slot, the adapter's host weights), written
+    # before the step runs.
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -89,9 +100,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, lora_slots: LoraSlots | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.lora_slots = lora_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -191,8 +203,9 @@ class Scheduler:
         thrashing = bool(out.preempted_ids)
         while not thrashing and budget > 0:
             # A preempted request whose last step is still in flight waits for its token first.
-            index = next((j for j, r in enumerate(self.waiting) if not r.paused and not r.num_output_placeholders),
-                         None)
+            in_use = self._adapters_in_use()
+            index = next((j for j, r in enumerate(self.waiting) if not r.paused and not r.num_output_placeholders
+                          and self._adapter_fits(r, in_use)), None)
             if index is None:
                 break
             if len(self.running) >= self.config.max_num_seqs:
@@ -218,6 +231,7 @@ class Scheduler:
                 out.preempted_ids.append(victim.request_id)
                 continue
             del self.waiting[index]
+            lora_slot = self._take_slot(request, in_use, out)
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = num_hit
                 if self.kv.enable_caching:
@@ -227,13 +241,32 @@ class Scheduler:
             self.running.append(request)
             out.new_requests.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
-                request.sampling_params, request.seed, request.eos_token_ids, self.kv.block_ids(request.request_id)))
+                request.sampling_params, request.seed, request.eos_token_ids, self.kv.block_ids(request.request_id),
+                lora_slot))
             out.scheduled.append(self._scheduled(request, num_new, []))
             budget -= num_new
         out.left_running_ids, self._left_running = self._left_running, []
         if out.num_spec_tokens and any(self.requests[s.request_id].needs_prompt_logprobs for s in out.scheduled):
             self._drop_spec_tokens(out)
         return out
+
+    def _adapters_in_use(self) -> set[int]:
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _adapter_fits(self, request: Request, in_use: set[int]) -> bool:
+        """Whether the request's adapter (if any) has a slot or can be given one now."""
+        return not request.lora_int_id or self.lora_slots.can_acquire(request.lora_int_id, in_use)
+
+    def _take_slot(self, request: Request, in_use: set[int], out: SchedulerOutput) -> int:
+        """The slot of the request's adapter (-1 without one), given it now if it had none."""
+        if not request.lora_int_id:
+            return -1
+        taken = self.lora_slots.acquire(request.lora_int_id, in_use)
+        assert taken is not None, "checked by _adapter_fits"
+        slot, load = taken
+        if load:
+            out.lora_loads.append((slot, request.lora_adapter))
+        return slot
 
     def _drop_spec_tokens(self, out: SchedulerOutput) -> None:
         """A step that scores prompt tokens runs the all-positions program, which verifies nothing:

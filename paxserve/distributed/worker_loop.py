@@ -1,8 +1,8 @@
 """A multi-host worker's loop: run rank 0's device calls, in its order, on this host's devices.
 
 Rank 0's model runner publishes each call that reaches the devices (`write_state`: sampler-state
-rows of requests that start running; `dispatch`: one step's padded batch, sampling rows and prompt
-scoring inputs) before making it, and so does its drafter for each of its passes (a draft model's
+rows of requests that start running; `write_lora`: a LoRA adapter's weights into a device slot;
+`dispatch`: one step's padded batch, sampling rows and prompt scoring inputs) before making it, and so does its drafter for each of its passes (a draft model's
 or an EAGLE-3 head's, between the steps). A worker makes the same calls with the same plain data,
 so every rank launches the same compiled programs with the same inputs, and their collectives meet.
 The worker never reads results: the sampled ids and proposals come back to rank 0 alone.
@@ -18,7 +18,7 @@ import jax
 from paxserve.distributed.cluster import PlanChannel
 from paxserve.spec_decode.draft_model import DRAFT_PASS, DraftModel
 from paxserve.spec_decode.eagle3 import EAGLE_PASS, Eagle3Proposer
-from paxserve.worker.model_runner import DISPATCH, STOP, WRITE_STATE, DeviceStep, ModelRunner
+from paxserve.worker.model_runner import DISPATCH, STOP, WRITE_LORA, WRITE_STATE, DeviceStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ def run_worker(runner: ModelRunner, channel: PlanChannel, drafter: DraftModel | 
             break
         if kind == WRITE_STATE:
             runner.write_sampler_state(message[1])
+        elif kind == WRITE_LORA:
+            runner.write_lora(message[1], message[2])
         elif kind == DISPATCH:
             step = runner.dispatch(*message[1:])
             if eagle is not None and step.aux is not None:

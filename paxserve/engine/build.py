@@ -18,6 +18,7 @@ import jax
 
 from paxserve.config import EngineConfig
 from paxserve.core.kv_cache_manager import KVCacheManager
+from paxserve.core.lora_slots import LoraSlots
 from paxserve.core.scheduler import Scheduler, SchedulerConfig
 from paxserve.distributed.cluster import Cluster, PlanChannel
 from paxserve.distributed.rendezvous import settings_digest
@@ -26,6 +27,7 @@ from paxserve.engine.chat_template.pool import RenderPool
 from paxserve.engine.engine_core import EngineCore
 from paxserve.engine.generation_config import GENERATION_CONFIG_MODES, resolve_sampling_defaults
 from paxserve.engine.input_processor import InputProcessor
+from paxserve.engine.lora_loader import LoraLoader
 from paxserve.engine.numerics import NumericsPlan
 from paxserve.engine.output_processor import OutputProcessor
 from paxserve.engine.stats import StatsLogger
@@ -161,7 +163,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, plan.max_model_len,
                                           num_lookahead_tokens=0 if draft_info is None and eagle_info is None
-                                          else spec.num_speculative_tokens), kv)
+                                          else spec.num_speculative_tokens), kv,
+                          LoraSlots(config.max_loras) if config.enable_lora else None)
     is_worker = cluster is not None and cluster.rank != 0
     if spec is not None and spec.method == "ngram":
         logger.info("speculative decoding: n-gram proposals of up to %d tokens (n-grams of %d-%d tokens looked up in "
@@ -175,7 +178,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          kv_cache_dtype=kv_dtype, kv_scales=kv_scales,
                          plan_sink=channel.send if channel is not None and not is_worker else None,
                          num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
-                         aux_layers=() if eagle_info is None else eagle_info[0].aux_layers)
+                         aux_layers=() if eagle_info is None else eagle_info[0].aux_layers,
+                         lora=_lora_shape(config))
     draft = None if draft_info is None else _load_draft(config, draft_info, plan, runner, max_num_batched_tokens,
                                                         cluster)
     eagle = None if eagle_info is None else _load_eagle3(config, model, plan, runner, cluster)
@@ -187,7 +191,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # that runs past its limit is stopped whatever it does.
     input_processor = InputProcessor(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
                                      plan.max_model_len, config.seed, sampling_defaults=sampling_defaults,
-                                     renderer=RenderPool(num_workers=2))
+                                     renderer=RenderPool(num_workers=2), lora=_lora_loader(config, model))
     parts = EngineParts(config, cluster, channel, attention_backend, activation_bytes, plan, model, sampling_defaults,
                         max_num_batched_tokens, kv, scheduler, runner, stats, core, input_processor,
                         OutputProcessor(model.tokenizer))
@@ -203,6 +207,36 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                         "draft-model" if draft is not None else "EAGLE-3 head", time.perf_counter() - start,
                         runner.warm_decode_widths)
     return parts
+
+
+def _lora_shape(config: EngineConfig) -> tuple[int, int] | None:
+    """(device slots, max rank) of the LoRA adapters the steps take, or None without LoRA."""
+    return (config.max_loras, config.max_lora_rank) if config.enable_lora else None
+
+
+def _lora_loader(config: EngineConfig, model: Any) -> LoraLoader | None:
+    if not config.enable_lora:
+        return None
+    cfg = model.config
+    return LoraLoader(cfg, model.architecture.layout(cfg), config.max_lora_rank, model.dtype,
+                      config.max_cpu_loras or config.max_loras, base_model=config.model)
+
+
+def _lora_bytes(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None) -> int:
+    """The device bytes of the LoRA slots (all of them on each device: a bound, since under tensor
+    parallelism B of the fused QKV and gate|up and A of o and down are split)."""
+    from paxserve.models.lora import abstract_weights
+    from paxserve.models.sharding import stored_config
+
+    if not config.enable_lora:
+        return 0
+    cfg = info.config if tp is None else stored_config(info.config, tp.size)
+    slots = abstract_weights(cfg, get_architecture(cfg.architecture).layout(cfg), config.max_loras,
+                             config.max_lora_rank, info.dtype)
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(slots))
+    logger.info("LoRA: %d device slots of rank up to %d (%.1f MiB), %d adapters kept in host memory",
+                config.max_loras, config.max_lora_rank, total / 2**20, config.max_cpu_loras or config.max_loras)
+    return total
 
 
 def _attention_backend(config: EngineConfig, cfg: Any, dtype: Any, kv_dtype: Any) -> AttentionBackend:
@@ -330,7 +364,7 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
     model's or EAGLE-3 head's weights and cache pages count too."""
     arch = get_architecture(info.config.architecture)
     local_cfg = info.config if tp is None else tp.local
-    weight_bytes = _device_weight_bytes(info, tp, tp is not None and tp.expert_parallel)
+    weight_bytes = _device_weight_bytes(info, tp, tp is not None and tp.expert_parallel) + _lora_bytes(config, info, tp)
     memory = _device_memory()
     device_bytes = None if memory is None else memory.total_bytes
     if memory is not None:
@@ -343,7 +377,7 @@ def _plan_memory(config: EngineConfig, info: ModelInfo, tp: TensorParallel | Non
             info.config.max_position_embeddings
         shapes = StepShapes(info.config, arch, info.dtype, config.block_size, 2, config.max_num_seqs + 1, backend, tp,
                             info.quantization, None if kv_dtype == info.dtype else kv_dtype,
-                            aux_layers=() if eagle is None else eagle[0].aux_layers)
+                            aux_layers=() if eagle is None else eagle[0].aux_layers, lora=_lora_shape(config))
         activation_bytes = measure_activation_bytes(
             shapes, config.max_num_batched_tokens or max(2048, config.max_num_seqs), config.max_num_seqs,
             -(-model_len // config.block_size))

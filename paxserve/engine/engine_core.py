@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from paxserve.core.interface import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
 from paxserve.core.kv_cache_manager import KVCacheManager
@@ -107,6 +108,8 @@ class EngineCore:
                                           overlap=async_scheduling)
             self.spec_stats = self._speculator.stats
         self._verify_programs: dict = {}
+        # LoRA: the adapter (models/lora.py's LoraAdapter) each id named last.
+        self._lora_adapters: dict[int, Any] = {}
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -115,6 +118,8 @@ class EngineCore:
         if request.request_id in self._samples:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         prompt_k = request.sampling_params.prompt_logprobs
+        if request.lora_request is not None:
+            self._check_adapter(request.lora_request, request.lora_adapter)
         samples = [
             Request(request_id=request.sample_id(i), prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params, max_tokens=request.max_tokens,
@@ -123,7 +128,8 @@ class EngineCore:
                     matcher=None if request.grammar is None else request.grammar.new_matcher(),
                     # One sample scores the prompt for all n; the others may use the prefix cache.
                     prompt_logprobs=PromptLogprobsBuffer.empty(len(request.prompt_token_ids), prompt_k)
-                    if i == 0 and prompt_k is not None else None)
+                    if i == 0 and prompt_k is not None else None,
+                    lora_request=request.lora_request, lora_adapter=request.lora_adapter)
             for i in range(request.sampling_params.n)
         ]
         added: list[Request] = []
@@ -136,6 +142,22 @@ class EngineCore:
                 self.scheduler.abort(sample.request_id)
             raise
         self._samples[request.request_id] = [s.request_id for s in samples]
+
+    def _check_adapter(self, lora_request: Any, adapter: Any) -> None:
+        """An adapter id names one adapter (its directory). An id that comes back naming another
+        directory (unloaded, then loaded anew) has its slot rewritten, unless requests still use the
+        old one: the new request is then refused."""
+        slots = self.scheduler.lora_slots
+        if slots is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
+        lora_id = lora_request.lora_int_id
+        held = self._lora_adapters.get(lora_id)
+        if held is not None and held.path != adapter.path:
+            if any(r.lora_int_id == lora_id for r in self.scheduler.requests.values()):
+                raise ValueError(f"LoRA id {lora_id} was read again ({lora_request.lora_name!r}) while requests still "
+                                 "run with its earlier weights: give a changed adapter a new id")
+            slots.release(lora_id)
+        self._lora_adapters[lora_id] = adapter
 
     def abort_request(self, request_id: str) -> None:
         """End every sample of the request now and free its blocks. Unknown ids are ignored."""
@@ -416,5 +438,13 @@ class EngineCore:
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
+            lora_running=_adapter_names(sched.running),
+            lora_waiting=_adapter_names(sched.waiting),
+            max_lora=0 if sched.lora_slots is None else sched.lora_slots.max_loras,
         )
+
+
+def _adapter_names(requests: Any) -> tuple[str, ...]:
+    """The adapters `requests` use, by name, once each, in order."""
+    return tuple(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
 

@@ -46,7 +46,9 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], max_model_len: int,
                  seed: int, render_limits: RenderLimits | None = None,
                  sampling_defaults: Mapping[str, Any] | None = None,
-                 grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, renderer: RenderPool | None = None) -> None:
+                 grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, renderer: RenderPool | None = None,
+                 lora: Any = None) -> None:
+        """`lora`: the engine's `LoraLoader` when it serves LoRA adapters (requests may name one)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -71,6 +73,7 @@ class InputProcessor:
         self.grammar_timeout_s = grammar_timeout_s
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
+        self.lora = lora
 
     def start(self) -> None:
         """Start the template workers (if any) now rather than on the first chat request: a server
@@ -176,9 +179,10 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                 cache_salt: str | None = None, arrival_time: float | None = None, add_special_tokens: bool = True,
-                prompt_param: str = "prompt") -> EngineCoreRequest:
+                prompt_param: str = "prompt", lora_request: Any = None) -> EngineCoreRequest:
         """Tokenize and validate one request: the only check a request gets after its body's types
-        (everything downstream trusts the result). Raises RequestError and changes nothing.
+        (everything downstream trusts the result). Raises RequestError and changes nothing. A
+        `lora_request` (paxserve.LoRARequest)'s adapter is read here when host memory lacks it.
 
         A rendered chat prompt already holds its special tokens (`add_special_tokens=False`);
         `prompt_param` is the field its errors blame (`messages` for chat)."""
@@ -193,10 +197,22 @@ class InputProcessor:
         max_tokens = self.resolve_max_tokens(len(ids), params)
         seeds = [self._sample_seed(params.seed, i, params.n) for i in range(params.n)]
         grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
+        adapter = None if lora_request is None else self.load_lora(lora_request)
         return EngineCoreRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, sampling_params=params, max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids, seeds=seeds, cache_salt=cache_salt,
-            grammar=grammar, arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+            grammar=grammar, arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            lora_request=lora_request, lora_adapter=adapter)
+
+    def load_lora(self, lora_request: Any) -> Any:
+        """The adapter `lora_request` names, read for this model (RequestError if it cannot serve)."""
+        if self.lora is None:
+            raise RequestError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)",
+                               param="lora_request")
+        try:
+            return self.lora.load(lora_request)
+        except ValueError as e:
+            raise RequestError(str(e), param="lora_request") from None
 
     def _prompt(self, prompt: Prompt, cache_salt: str | None, add_special_tokens: bool,
                 param: str) -> tuple[str | None, list[int], str | None]:

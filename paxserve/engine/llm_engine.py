@@ -20,6 +20,7 @@ from paxserve.config import EngineConfig
 from paxserve.core.interface import EngineCoreRequest, EngineSnapshot
 from paxserve.engine.build import build_engine_parts
 from paxserve.engine.input_processor import Prompt
+from paxserve.lora_request import LoRARequest
 from paxserve.outputs import RequestOutput
 from paxserve.sampling_params import RequestOutputKind, SamplingParams
 from paxserve.worker.model_runner import STOP
@@ -55,10 +56,12 @@ class Engine:
     # ---- requests (the three pieces, driven from the caller's thread) --------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a prompt (text, token ids, or vLLM's {"prompt" | "prompt_token_ids", "cache_salt"}
-        dict). Invalid input raises ValueError naming the field and changes nothing."""
-        request = self.parts.input_processor.process(request_id, prompt, params, cache_salt=cache_salt)
+        dict), with a LoRA adapter if the engine serves them. Invalid input raises ValueError naming
+        the field and changes nothing."""
+        request = self.parts.input_processor.process(request_id, prompt, params, cache_salt=cache_salt,
+                                                     lora_request=lora_request)
         self.add_processed_request(request)
 
     def add_processed_request(self, request: EngineCoreRequest) -> None:
@@ -103,8 +106,10 @@ class Engine:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); outputs come back in input order."""
+        """Complete every prompt (text or token ids); outputs come back in input order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, Mapping)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # type: ignore[list-item]
@@ -115,7 +120,28 @@ class Engine:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
-        return self._run_batch(prompts, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        return self._run_batch(prompts, params_list, use_tqdm, loras)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter now (vLLM's add_lora), so its first request does not wait for the read;
+        ValueError says why it cannot serve this model."""
+        self.parts.input_processor.load_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter read into host memory (vLLM's remove_lora): a later request with its id
+        reads it again. Requests that use it run on."""
+        loader = self.parts.input_processor.lora
+        if loader is None or lora_id not in loader:
+            return False
+        loader.forget(lora_id)
+        return True
 
     def chat(
         self,
@@ -137,11 +163,14 @@ class Engine:
             out.prompt = self.parts.tokenizer.decode(out.prompt_token_ids)
         return outs
 
-    def _run_batch(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_batch(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+                   loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        loras = loras or [None] * len(prompts)
         # Validate everything first, so a bad prompt anywhere in the list queues nothing.
-        requests = [self.parts.input_processor.process(rid, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
-                    for rid, prompt, p in zip(ids, prompts, params)]
+        requests = [self.parts.input_processor.process(rid, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY),
+                                                       lora_request=lora)
+                    for rid, prompt, p, lora in zip(ids, prompts, params, loras)]
         try:
             for request in requests:
                 self.add_processed_request(request)

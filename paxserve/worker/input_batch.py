@@ -74,9 +74,9 @@ class InputBatch:
     row 0)."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, vocab_size: int,
-                 num_spec_tokens: int = 0) -> None:
+                 num_spec_tokens: int = 0, lora: bool = False) -> None:
         """`num_spec_tokens`: speculative decoding's k (a verifying sequence has at most 1 + k
-        logits rows); 0 without speculation."""
+        logits rows); 0 without speculation. `lora`: the steps carry each token's LoRA slot."""
         if max_num_seqs < 1:
             raise ValueError(f"InputBatch: max_num_seqs must be >= 1, got {max_num_seqs}")
         if num_spec_tokens < 0:
@@ -92,6 +92,7 @@ class InputBatch:
         self.num_tokens = np.zeros(self.num_rows, np.int32)
         self.num_prompt_tokens = np.zeros(self.num_rows, np.int32)
         self.sampling = SamplingColumns(self.num_rows, vocab_size)
+        self.lora_slot = np.full(self.num_rows, -1, np.int32) if lora else None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -120,6 +121,11 @@ class InputBatch:
         self.append_blocks(new.request_id, new.block_ids)
         state_row = row if needs_state(new.sampling_params, new.eos_token_ids) else 0
         self.sampling.set_row(row, new.sampling_params, new.seed, state_row)
+        if self.lora_slot is not None:
+            self.lora_slot[row] = new.lora_slot
+        elif new.lora_slot >= 0:
+            raise ValueError(f"InputBatch: request {new.request_id!r} runs a LoRA adapter, but this batch was made "
+                             "without LoRA slots")
         if not state_row:
             return None
         return SamplingRow(new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.seed,
@@ -170,7 +176,8 @@ class InputBatch:
         t_pad, s_pad, b_pad = buckets(len(input_ids), n, int(num_blocks.max()))
         batch = assemble_batch(input_ids, num_computed, num_new, self.block_table[row_array, :b_pad], num_blocks,
                                self.block_size, pad_tokens_to=t_pad, pad_seqs_to=s_pad, pad_blocks_to=b_pad,
-                               token_source=source)
+                               token_source=source,
+                               lora_slots=None if self.lora_slot is None else self.lora_slot[row_array])
         index = np.zeros(s_pad, np.int32)
         index[:n] = row_array
         keep = [s.samples for s in scheduled]

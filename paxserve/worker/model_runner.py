@@ -50,6 +50,7 @@ from paxserve.worker.step_functions import (
     FORWARD_KINDS,
     StepShapes,
     attention_metadata,
+    write_lora_slot,
     write_state_rows_step,
 )
 from paxserve.worker.step_inputs import Batch, bucket_size, bucket_sizes, next_power_of_2
@@ -68,7 +69,7 @@ _WARM_DECODE_WIDTHS = (_COVER_COST, 2 * _COVER_COST)
 _QUIET_S = 0.5
 # The device calls a multi-host rank 0 publishes (`plan_sink`), and the end of its engine. A
 # drafter's passes are published as their own kinds (`paxserve.spec_decode`).
-WRITE_STATE, DISPATCH, STOP = "write_state", "dispatch", "stop"
+WRITE_STATE, WRITE_LORA, DISPATCH, STOP = "write_state", "write_lora", "dispatch", "stop"
 
 
 @dataclass(slots=True)
@@ -127,14 +128,17 @@ class ModelRunner:
     `background_compile`: compile a missing bucket off the step thread while a covering one serves;
     `kv_cache`: a zeroed cache made beforehand (`zero_kv_cache`, while the weights loaded), else one
     is made here; `plan_sink`: on rank 0 of a multi-host engine, where each device call's plain
-    inputs go before the call is made, for the workers to make it too (`paxserve.distributed.worker_loop`)."""
+    inputs go before the call is made, for the workers to make it too (`paxserve.distributed.worker_loop`);
+    `lora`: (slots, max rank) of the LoRA adapters the device holds at once (models/lora.py): every
+    forward takes the slots and each token's slot, so any mix of adapters runs in the same programs."""
 
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int | None = None,
                  attention_backend: AttentionBackend = REFERENCE, max_num_seqs: int = 256,
                  program_store: Path | None = None, background_compile: bool = False,
                  kv_cache: KVCache | None = None, plan_sink: Callable[[tuple], None] | None = None,
                  kv_cache_dtype: np.dtype | None = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-                 num_spec_tokens: int = 0, aux_layers: tuple[int, ...] = ()) -> None:
+                 num_spec_tokens: int = 0, aux_layers: tuple[int, ...] = (),
+                 lora: tuple[int, int] | None = None) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
@@ -155,7 +159,7 @@ class ModelRunner:
         # Row 0 is the all-zero row of requests without state; each running request may hold one more.
         self.num_state_rows = max_num_seqs + 1
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, cfg.vocab_size,
-                                      num_spec_tokens)
+                                      num_spec_tokens, lora=lora is not None)
         # The cache's dtype (the model's, or fp8) and, for fp8, its per-layer (K, V) scales.
         self.kv_dtype = np.dtype(model.dtype if kv_cache_dtype is None else kv_cache_dtype)
         self._kv_scales = kv_scales
@@ -164,7 +168,9 @@ class ModelRunner:
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
                                  self.num_state_rows, attention_backend, model.tp, model.quantization,
                                  None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype,
-                                 matmul_kernel(model.params), num_spec_tokens, tuple(aux_layers))
+                                 matmul_kernel(model.params), num_spec_tokens, tuple(aux_layers), lora)
+        self.lora_weights, self._write_lora = self._new_lora_slots() if lora is not None else (None, None)
+        self.num_lora_writes = 0  # adapters written into slots (each a slot changing hands)
         self._aux: jax.Array | None = None  # the last forward's aux hidden states, for its DeviceStep
         common = "|".join([environment_fingerprint(), source_fingerprint()])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
@@ -204,6 +210,40 @@ class ModelRunner:
                 raise ValueError(f"kv_cache.{name} must be {dtype.name}{list(shape)} for this model and plan, "
                                  f"got {leaf.dtype.name}{list(leaf.shape)}")
         return kv_cache
+
+    def _lora_host(self, num_slots: int, adapter: Any = None) -> Any:
+        """Host slots (models/lora.py) for the whole model, `adapter` in slot 0 if given."""
+        from paxserve.models.lora import empty_weights, write_slot
+
+        cfg = self.model.config
+        host = empty_weights(cfg, self.model.architecture.layout(cfg), num_slots, self.shapes.lora[1], self.model.dtype)
+        return host if adapter is None else write_slot(host, 0, adapter)
+
+    def _place_lora(self, host: Any) -> Any:
+        return jax.tree.map(jnp.asarray, host) if self.model.tp is None else self.model.tp.place_lora(host)
+
+    def _new_lora_slots(self) -> tuple[Any, Callable[..., Any]]:
+        """Zeroed LoRA slots on the device (split as their base weights are under tensor
+        parallelism), and the program that writes one slot in place (the slot is runtime data, so it
+        compiles once)."""
+        slots = self._place_lora(self._lora_host(self.shapes.lora[0]))
+        shardings = None if self.model.tp is None else jax.tree.map(lambda leaf: leaf.sharding, slots)
+        return slots, jax.jit(write_lora_slot, donate_argnums=(0,), out_shardings=shardings)
+
+    def write_lora(self, slot: int, adapter: Any) -> None:
+        """Put `adapter` (models/lora.py's LoraAdapter, host arrays) into device slot `slot`. A step
+        already dispatched that reads the slot's old adapter runs first: the device runs calls in order."""
+        if self.lora_weights is None:
+            raise ValueError("this model runner was made without LoRA slots (lora=None)")
+        if not 0 <= slot < self.shapes.lora[0]:
+            raise ValueError(f"LoRA slot {slot} is out of range: the runner holds {self.shapes.lora[0]} slots")
+        if adapter.rank > self.shapes.lora[1]:
+            raise ValueError(f"a LoRA adapter of rank {adapter.rank} does not fit slots of rank {self.shapes.lora[1]}")
+        if self.plan_sink is not None:
+            self.plan_sink((WRITE_LORA, slot, adapter))
+        one = self._place_lora(self._lora_host(1, adapter))
+        self.lora_weights = self._write_lora(self.lora_weights, one, jnp.int32(slot))
+        self.num_lora_writes += 1
 
     def _new_sampler_state(self) -> SamplerState:
         make = lambda: SamplerState.zeros(self.num_state_rows, self.model.config.vocab_size)  # noqa: E731
@@ -369,6 +409,8 @@ class ModelRunner:
         now), running ones get this step's new blocks."""
         for request_id in out.left_running_ids:
             self.input_batch.remove(request_id)
+        for slot, adapter in out.lora_loads:
+            self.write_lora(slot, adapter)
         writes = []
         for new in out.new_requests:
             row = self.input_batch.add(new)
@@ -434,8 +476,13 @@ class ModelRunner:
         """The arguments of a forward program (`step_functions.jitted_logits`) for `batch`, with this
         runner's params, cache and last sampled tokens."""
         source = batch.token_source if batch.token_source is not None else np.full(batch.input_ids.shape, -1, np.int32)
-        return (self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+        args = (self.model.params, self.kv_cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
                 attention_metadata(batch), self.sampler_state.last_token, jnp.asarray(source))
+        if self.lora_weights is None:
+            return args
+        slots = batch.lora_slots if batch.lora_slots is not None else np.full(batch.input_ids.shape, -1, np.int32)
+        place = {} if self.model.tp is None else {"device": self.model.tp.replicated}
+        return (*args, self.lora_weights, jax.device_put(slots, **place))
 
     def write_sampler_state(self, writes: StateWrites) -> None:
         """Set the state rows of requests that start running (before the step that first samples

@@ -117,6 +117,14 @@ verify_step = jax.jit(verify, donate_argnums=(2,))
 write_state_rows_step = jax.jit(write_state_rows, donate_argnums=(0,))
 
 
+def write_lora_slot(slots: Any, one: Any, slot: Int[Array, ""]) -> Any:
+    """LoRA slots (models/lora.py's LoraWeights, [L, S, ...] per field) with slot `slot` replaced by
+    `one`'s only slot ([L, 1, ...]). The model runner jits it with the slots donated, so the write is
+    in place."""
+    return jax.tree.map(lambda every, new: jax.lax.dynamic_update_slice_in_dim(every, new.astype(every.dtype), slot,
+                                                                               axis=1), slots, one)
+
+
 def attention_metadata(batch: Batch) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=jnp.asarray(batch.slot_mapping),

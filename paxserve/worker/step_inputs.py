@@ -55,6 +55,8 @@ class Batch:
     # The program kind that runs it: "forward", or "decode" for a pure-decode step (one token per
     # sequence) when the attention backend has a decode-only kernel (the model runner decides).
     program: str = "forward"
+    # [T]: each token's LoRA slot (-1: the base model alone), when the engine serves adapters.
+    lora_slots: np.ndarray | None = None
 
 
 def verify_rows(num_tokens: int, num_seqs: int, width: int) -> int:
@@ -140,11 +142,13 @@ def assemble_batch(
     pad_seqs_to: int | None = None,
     pad_blocks_to: int | None = None,
     token_source: np.ndarray | None = None,
+    lora_slots: np.ndarray | None = None,
 ) -> Batch:
     """The batch from per-sequence arrays, in numpy operations over whole arrays (no Python loop
     per sequence or token): `input_ids` [T] the new tokens in sequence order, `num_computed` and
     `num_new` [S] each sequence's cached and new token counts, `block_tables` [S, >= its blocks]
-    and `num_blocks` [S] how many of each row are its blocks; `token_source` [T] as in `Batch`."""
+    and `num_blocks` [S] how many of each row are its blocks; `token_source` [T] as in `Batch`;
+    `lora_slots` [S] each sequence's LoRA slot (its tokens' in the batch; padding takes none)."""
     n, t = len(num_new), int(num_new.sum())
     if input_ids.shape != (t,):
         raise ValueError(f"input_ids holds {input_ids.shape[0]} tokens but the sequences feed {t}")
@@ -182,8 +186,12 @@ def assemble_batch(
     query_start_loc[:n] = starts[:n]
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:n] = starts[1:] - 1
+    token_slots = None
+    if lora_slots is not None:
+        token_slots = np.full(t_pad, -1, np.int32)
+        token_slots[:t] = lora_slots[seq]
     return Batch(
         input_ids=padded_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
         context_lens=context_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
-        num_seqs=n, num_tokens=t, token_source=source,
+        num_seqs=n, num_tokens=t, token_source=source, lora_slots=token_slots,
     )

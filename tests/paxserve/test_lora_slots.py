@@ -62,3 +62,36 @@ def test_the_host_cache_reads_each_adapter_once_while_it_is_held() -> None:
 def test_a_lora_request_names_what_is_wrong(args: tuple, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         LoRARequest(*args)
+
+
+def test_the_scheduler_passes_over_a_request_whose_adapter_has_no_slot_and_loads_it_once_one_frees() -> None:
+    """One device slot: the first adapter's requests and a base-model request run; the second
+    adapter's request waits without blocking those behind it, and takes the slot (a write) once the
+    first adapter's requests are done. A prefix-cache key differs by adapter."""
+    from paxserve.core.kv_cache_manager import KVCacheManager
+    from paxserve.core.request import Request, RequestStatus
+    from paxserve.core.scheduler import Scheduler, SchedulerConfig
+    from paxserve.sampling_params import SamplingParams
+
+    sched = Scheduler(SchedulerConfig(4, 64, 64), KVCacheManager(32, 4, True), LoraSlots(1))
+    adapters = {1: "weights-1", 2: "weights-2"}
+
+    def request(rid: str, lora_id: int) -> Request:
+        lora = None if not lora_id else LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}")
+        return Request(rid, [3, 4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=2), 2, lora_request=lora,
+                       lora_adapter=adapters.get(lora_id))
+
+    for rid, lora_id in (("r1", 1), ("r2", 2), ("r3", 1), ("r4", 0)):
+        sched.add_request(request(rid, lora_id))
+    out = sched.schedule()
+    assert [n.request_id for n in out.new_requests] == ["r1", "r3", "r4"]
+    assert [n.lora_slot for n in out.new_requests] == [0, 0, -1]
+    assert out.lora_loads == [(0, "weights-1")]
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+    for rid in ("r1", "r3"):
+        sched.finish(sched.requests[rid], RequestStatus.FINISHED_STOPPED)
+    out = sched.schedule()
+    assert [(n.request_id, n.lora_slot) for n in out.new_requests] == [("r2", 0)]
+    assert out.lora_loads == [(0, "weights-2")]
+    keys = {lora_id: sched.kv._hashes(request(f"k{lora_id}", lora_id), 4)[0] for lora_id in (0, 1, 2)}
+    assert len({k.value for k in keys.values()}) == 3
