@@ -25,6 +25,7 @@ from paxserve.engine.client import EngineClient
 from paxserve.server.errors import ProtocolError, error_middleware, from_value_error
 from paxserve.server.generation_spec import check_model, check_request_chat_template, template_messages
 from paxserve.server.handlers import chat_completions, completions
+from paxserve.server.lora import add_routes as add_lora_routes
 from paxserve.server.metrics import ServerMetrics
 from paxserve.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, parse_body
 from paxserve.server.request_body import read_json
@@ -50,6 +51,8 @@ def create_app(async_engine: EngineClient, settings: ServerSettings | None = Non
     info = {"block_size": str(limits.block_size), "num_gpu_blocks": str(limits.num_gpu_blocks),
             "enable_prefix_caching": str(limits.enable_prefix_caching)}
     metrics = ServerMetrics(settings.model_name, settings.max_model_len, info)
+    if settings.lora_modules is not None:
+        settings.lora_modules.base_model_name = settings.model_name
     app = web.Application(middlewares=[error_middleware, _auth_middleware],
                           client_max_size=settings.client_max_size)
     app[STATE] = ServerState(async_engine, settings, metrics, created=int(time.time()))
@@ -62,6 +65,7 @@ def create_app(async_engine: EngineClient, settings: ServerSettings | None = Non
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    add_lora_routes(app, settings.lora_modules)
     if settings.enable_tokenizer_info_endpoint:
         app.router.add_get("/tokenizer_info", tokenizer_info)
     app.on_shutdown.append(_abort_in_flight)
@@ -103,9 +107,13 @@ async def _abort_in_flight(app: web.Application) -> None:
 # ---- models, health, metrics, version ---------------------------------------------------------
 
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    """A served model's card; an adapter's names its base model as `parent` and its directory as `root`."""
+    lora = state.settings.lora(name) if name not in state.settings.served_model_names else None
     return {
         "id": name, "object": "model", "created": state.created, "owned_by": "paxserve",
-        "root": state.settings.model_root or name, "parent": None, "max_model_len": state.settings.max_model_len,
+        "root": lora.lora_path if lora is not None else state.settings.model_root or name,
+        "parent": state.settings.model_name if lora is not None else None,
+        "max_model_len": state.settings.max_model_len,
         "permission": [{
             "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,
             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
@@ -117,15 +125,14 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"object": "list",
-                              "data": [_model_card(state, name) for name in state.settings.served_model_names]})
+    names = [*state.settings.served_model_names,
+             *(() if state.settings.lora_modules is None else state.settings.lora_modules.adapters)]
+    return web.json_response({"object": "list", "data": [_model_card(state, name) for name in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    name = request.match_info["model"]
-    if name not in state.settings.served_model_names:
-        raise ProtocolError(f"The model `{name}` does not exist.", param="model", status=404)
+    name = check_model(request.match_info["model"], state.settings)
     return web.json_response(_model_card(state, name))
 
 

@@ -259,6 +259,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="MoE models: place whole routed experts on the tensor-parallel devices (num_experts / "
                           "tensor-parallel-size each) instead of splitting every expert's width")
     eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    from paxserve.server.lora import add_lora_flags
+
+    add_lora_flags(serve.add_argument_group("LoRA adapters"))
     _add_multi_host_flags(serve)
     _add_attention_backend(eng)
     _add_model_source_flags(eng, defaults_in_help=True)

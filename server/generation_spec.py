@@ -43,6 +43,7 @@ class GenerationSpec:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    lora_request: Any = None  # the LoRA adapter `model` names (paxserve.LoRARequest), if it names one
     structured_param: str | None = None  # the field the output constraint came from (response_format, ...)
     max_tokens_param: str = "max_tokens"  # the field the client used (chat may say max_completion_tokens)
 
@@ -75,7 +76,7 @@ def check_model(model: str | None, settings: ServerSettings) -> str:
     """The served name to echo back; 404 for a model this server does not serve."""
     if model is None:
         return settings.model_name
-    if model not in settings.served_model_names:
+    if model not in settings.served_model_names and settings.lora(model) is None:
         raise ProtocolError(f"The model `{model}` does not exist.", param="model", status=404)
     return model
 
@@ -167,7 +168,8 @@ def completion_spec(req: CompletionRequest, settings: ServerSettings) -> Generat
                               max_tokens=max_tokens, renames=field_renames("completion", max_name),
                               structured=structured, skip_special_tokens=req.skip_special_tokens is not False)
     spec = GenerationSpec("completion", model, params, prompts=req.prompt_list(), echo=echo, logprobs=req.logprobs,
-                          cache_salt=req.cache_salt, structured_param=structured_param, max_tokens_param=max_name)
+                          cache_salt=req.cache_salt, structured_param=structured_param, max_tokens_param=max_name,
+                          lora_request=settings.lora(model))
     return _stream_flags(req, spec)
 
 
@@ -191,6 +193,7 @@ def chat_spec(req: ChatCompletionRequest, settings: ServerSettings) -> Generatio
                               renames=field_renames("chat", max_name), structured=structured,
                               skip_special_tokens=req.skip_special_tokens is not False and not keep_special)
     spec = GenerationSpec("chat", model, params, messages=messages, logprobs=logprobs, cache_salt=req.cache_salt,
+                          lora_request=settings.lora(model),
                           max_tokens_param=max_name, structured_param=structured_param,
                           tools=tool_spec.tools or None,
                           output=ChatOutputParsers.for_request(settings, tool_spec, guided=structured is not None),

@@ -86,6 +86,14 @@ class _EngineCollector(Collector):
             for position, count in enumerate(per_position):
                 family.add_metric([self.model_name, str(position)], float(count))
             yield family
+        if self.snapshot.get("max_lora"):
+            # vLLM's: one series whose labels name the adapters running and waiting requests use
+            # (comma-separated), valued the time of the snapshot.
+            family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                       labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            family.add_metric([str(self.snapshot["max_lora"]), ",".join(self.snapshot.get("lora_waiting", ())),
+                               ",".join(self.snapshot.get("lora_running", ()))], time.time())
+            yield family
         if self.info:
             info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV-cache config.",
                                      labels=sorted(self.info))

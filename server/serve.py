@@ -62,6 +62,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
         distributed_init_timeout=args.distributed_init_timeout,
         distributed_heartbeat_timeout=args.distributed_heartbeat_timeout,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         **({"log_stats_interval": 0} if args.disable_log_stats else {}),
     )
 
@@ -76,7 +78,14 @@ def build_settings(args: argparse.Namespace, model_root: str | None, chat_templa
         body_timeout_s=args.http_body_timeout, log_requests=args.enable_log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        lora_modules=_lora_modules(names[0], args),
     )
+
+
+def _lora_modules(base_model_name: str, args: argparse.Namespace) -> Any:
+    from paxserve.server.lora import LoraModules
+
+    return LoraModules(base_model_name, args.allow_runtime_lora_updating) if args.enable_lora else None
 
 
 def transport_limits(args: argparse.Namespace) -> TransportLimits:
@@ -94,6 +103,12 @@ def run_server(args: argparse.Namespace) -> int:
     chat_template = _chat_template(args.chat_template)  # fail on a bad template before loading anything
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+    if not args.enable_lora and (args.lora_modules or args.allow_runtime_lora_updating):
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating serve LoRA adapters: add --enable-lora")
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    clash = sorted({m.name for m in args.lora_modules or ()} & set(names))
+    if clash:
+        raise ValueError(f"--lora-modules: {clash[0]!r} is also the base model's name (--served-model-name)")
     from paxserve.engine.async_engine import AsyncEngine  # JAX comes in here, not at import time
     from paxserve.engine.llm_engine import Engine
 
@@ -118,6 +133,18 @@ def run_server(args: argparse.Namespace) -> int:
                 plan.num_bytes / 2**30, engine.max_model_len, plan.max_concurrency, engine.config.max_num_seqs,
                 "on" if engine.config.enable_prefix_caching else "off")
     settings = build_settings(args, engine.model.source, chat_template)
+    if settings.lora_modules is not None:  # the served names may be the model's hub id, as vLLM users give it
+        engine.input_processor.lora.base_models = (args.model, *settings.served_model_names)
+    for module in args.lora_modules or ():
+        lora = settings.lora_modules.add(module.name, module.path)
+        try:
+            engine.add_lora(lora)  # read and checked now: an adapter that cannot serve stops the start
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e}") from None
+    if settings.lora_modules is not None:
+        logger.info("LoRA: serving %d adapters (%s) on %s; runtime loading %s", len(settings.lora_modules.adapters),
+                    ", ".join(settings.lora_modules.adapters) or "none yet", settings.model_name,
+                    "on (/v1/load_lora_adapter)" if settings.lora_modules.runtime_updating else "off")
     limits = transport_limits(args)
     async_engine = AsyncEngine(engine.parts)
     try:

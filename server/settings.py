@@ -37,6 +37,8 @@ class ServerSettings:
     # GET /tokenizer_info (vLLM's, opt-in there too since it shows the chat template): lets
     # lm-evaluation-harness' local-completions tokenize through the server, with no local files.
     enable_tokenizer_info_endpoint: bool = False
+    # LoRA adapters served by name (paxserve.server.lora.LoraModules), with --enable-lora.
+    lora_modules: Any = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -58,7 +60,12 @@ class ServerSettings:
 
     def response_model(self, requested: str | None) -> str:
         """The name echoed in responses: the one the client asked for when it is one of ours."""
-        return requested if requested in self.served_model_names else self.model_name
+        return requested if requested is not None and (requested in self.served_model_names or self.lora(requested)) \
+            else self.model_name
+
+    def lora(self, name: str | None) -> Any:
+        """The LoRARequest of the adapter served as `name`, if any."""
+        return None if self.lora_modules is None else self.lora_modules.get(name)
 
     @property
     def client_max_size(self) -> int:

@@ -218,3 +218,37 @@ def load_hf_smollm2() -> tuple[Any, Any]:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     load_model(model, str(saved / "model.safetensors"))
     return model.eval(), AutoTokenizer.from_pretrained(str(saved))
+
+
+def write_random_lora(directory: Path, num_layers: int, shapes: dict[str, tuple[str, int, int]], rank: int,
+                      seed: int, alpha: float | None = None, base_model: str | None = None, scale: float = 1.0) -> Path:
+    """A random LoRA adapter in PEFT's files, written without torch: `shapes` maps each target module
+    ("q_proj") to (its parent, "self_attn" or "mlp", in features, out features). lora_B is drawn
+    too (PEFT starts it at zero, which would change nothing)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        for module, (parent, rows_in, rows_out) in shapes.items():
+            stem = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            tensors[f"{stem}.lora_A.weight"] = (rng.standard_normal((rank, rows_in)) / np.sqrt(rows_in)).astype(np.float32)
+            tensors[f"{stem}.lora_B.weight"] = (scale * rng.standard_normal((rows_out, rank)) / np.sqrt(rank)).astype(
+                np.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
+              "target_modules": sorted(shapes), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+              "base_model_name_or_path": base_model, "inference_mode": True}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+# SmolLM2-135M's projections, for `write_random_lora`.
+SMOLLM2_LORA_SHAPES: dict[str, tuple[str, int, int]] = {
+    "q_proj": ("self_attn", 576, 576), "k_proj": ("self_attn", 576, 192), "v_proj": ("self_attn", 576, 192),
+    "o_proj": ("self_attn", 576, 576), "gate_proj": ("mlp", 576, 1536), "up_proj": ("mlp", 576, 1536),
+    "down_proj": ("mlp", 1536, 576)}

@@ -219,7 +219,7 @@ def _lora_loader(config: EngineConfig, model: Any) -> LoraLoader | None:
         return None
     cfg = model.config
     return LoraLoader(cfg, model.architecture.layout(cfg), config.max_lora_rank, model.dtype,
-                      config.max_cpu_loras or config.max_loras, base_model=config.model)
+                      config.max_cpu_loras or config.max_loras, base_models=(config.model,))
 
 
 def _lora_bytes(config: EngineConfig, info: ModelInfo, tp: TensorParallel | None) -> int:

@@ -34,21 +34,23 @@ class LoraLoader:
     ValueError naming why it cannot serve this model. Thread-safe."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, max_rank: int, dtype: Any, max_cpu_loras: int,
-                 base_model: str | None = None) -> None:
-        """`base_model`: the hub id the served model is known by, if any: an adapter that names another
-        base (`base_model_name_or_path`, as a hub id) is refused. Without one only the shapes decide, as
-        the same weights are often served from a directory of another name."""
+                 base_models: tuple[str | None, ...] = ()) -> None:
+        """`base_models`: names the served model goes by (its --model, its served names); those that
+        read as hub ids are what an adapter's `base_model_name_or_path` (a hub id) must name, when
+        there are any. Without one only the shapes decide, as the same weights are often served
+        from a directory of another name."""
         self.cfg, self.layout, self.max_rank, self.dtype = cfg, layout, max_rank, dtype
-        self.base_model = _hub_id(base_model)
+        self.base_models = base_models
         self._cache: LoraCache[LoraAdapter] = LoraCache(max_cpu_loras, self._read)
         self._lock = threading.Lock()
 
     def _read(self, request: LoRARequest) -> LoraAdapter:
         adapter = read_adapter(request.lora_path, self.cfg, self.layout, self.max_rank, self.dtype)
         named = _hub_id(adapter.base_model)
-        if self.base_model is not None and named is not None and named.lower() != self.base_model.lower():
+        known = [hub for hub in map(_hub_id, self.base_models) if hub is not None]
+        if known and named is not None and named.lower() not in {hub.lower() for hub in known}:
             raise ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}) was trained on {named} "
-                             f"(base_model_name_or_path), but this engine serves {self.base_model}")
+                             f"(base_model_name_or_path), but this engine serves {' / '.join(known)}")
         logger.info("LoRA adapter %r (id %d) read from %s: rank %d on %s", request.lora_name, request.lora_int_id,
                     request.lora_path, adapter.rank, ", ".join(adapter.targets))
         return adapter
