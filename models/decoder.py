@@ -147,7 +147,7 @@ def forward(
         from paxserve.models.lora import lora_delta, slot_mask
 
         scanned["lora"] = lora
-        mask = slot_mask(lora_slots, lora.qkv_a.shape[1], x.dtype)
+        mask = slot_mask(lora_slots, lora.num_slots, x.dtype)
 
     def delta(xs: dict[str, Array], short: str) -> Any:
         """What each token's LoRA adapter adds to a product (`short`: qkv, o, up, down), from its
@@ -156,7 +156,10 @@ def forward(
         if lw is None or getattr(lw, f"{short}_a") is None:
             return None
         row_parallel = reduce if short in ("o", "down") else None
-        return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), getattr(lw, f"{short}_b"), mask, row_parallel)
+        b = getattr(lw, f"{short}_b")
+        # A fused field's parts, as the base product is split: q | k | v, and gate | up.
+        parts = (q_size, kv_size, kv_size) if short == "qkv" else (b.shape[-1] // 2,) * 2 if short == "up" else ()
+        return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), b, mask, row_parallel, parts)
     fp8 = kv_cache.fp8
     if fp8 is not None:  # each layer's K and V scales
         scanned |= {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}

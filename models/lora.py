@@ -4,11 +4,12 @@ An adapter is `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target_mo
 `rank_pattern`, `alpha_pattern`) and `adapter_model.safetensors`, whose `lora_A` [r, in] and
 `lora_B` [out, r] tensors sit under the base model's module names. The decoder fuses some of those
 modules into one matrix (q, k and v into `qkv_w`, gate and up into `up_w`); an adapter's matrices
-for a fused field are laid out to match: the parts' A side by side ([in, parts x R]) and their B on
-a block diagonal ([parts x R, out], each part's rows into its own columns, scaled by
-alpha / r, or alpha / sqrt(r) with rsLoRA), so one pair of products gives every part's delta, and a
-part the adapter does not target is zeros. R is the engine's maximum rank: an adapter of lower rank
-is padded with zeros, which add nothing.
+for a fused field are laid out to match: the parts' A side by side ([in, parts x R]) and their B
+side by side along the output ([R, out], each part's B in its own columns, scaled by alpha / r, or
+alpha / sqrt(r) with rsLoRA): a part's columns take its own R columns of x @ A (the decoder knows
+where each part's columns are: it splits the base product the same way). Half to two thirds of a
+block-diagonal B would be zeros, read at every step. A part the adapter does not target is zeros.
+R is the engine's maximum rank: an adapter of lower rank is padded with zeros, which add nothing.
 
 The engine keeps `max_loras` adapters at once in slots ([layers, slots, ...] per field). Each
 token row carries its slot (-1: the base model alone) as runtime data, so any mix of adapters runs
@@ -40,6 +41,8 @@ from paxserve.models.layout import LAYER_INDEX, Layout
 # The decoder's fields an adapter may target: attention always, the MLP where it is dense (an MoE
 # model's experts, shared experts and dense-MLP stacks take no adapter).
 FIELDS = ("qkv_w", "o_w", "up_w", "down_w")
+SHORT = tuple(name.removesuffix("_w") for name in FIELDS)
+SLOT_AXIS = {"a": 2, "b": 1}  # where the slots are in a field's A [L, in, S, P x R] and B [L, S, R, out]
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # PEFT settings whose adapters compute something else than x @ A @ B * scale on these modules.
 _UNSUPPORTED = {"use_dora": "DoRA adapters", "lora_bias": "adapters that train a bias on lora_B",
@@ -48,24 +51,40 @@ _UNSUPPORTED = {"use_dora": "DoRA adapters", "lora_bias": "adapters that train a
 
 @struct.dataclass
 class LoraWeights:
-    """Every slot's adapter, per fused field: `{field}_a` [L, S, in, P x R] and `{field}_b`
-    [L, S, P x R, out] (P: the field's parts). Slots without an adapter are zeros; the MLP's fields
-    are None in an MoE model."""
+    """Every slot's adapter, per fused field: `{field}_a` [L, in, S, P x R] and `{field}_b`
+    [L, S, R, out] (P: the field's parts). Slots without an adapter are zeros; the MLP's fields are
+    None in an MoE model. A's slots follow its input rows, so x @ A for every slot is one plain
+    product with an [in, S x P x R] matrix (slots first, XLA copied A into that order every step:
+    twice the time on a CPU); B's rows are (slot, rank), already a product's order."""
 
-    qkv_a: Float[Array, "L S H QR"]
-    qkv_b: Float[Array, "L S QR QKV"]
-    o_a: Float[Array, "L S NH R"]
+    qkv_a: Float[Array, "L H S QR"]
+    qkv_b: Float[Array, "L S R QKV"]
+    o_a: Float[Array, "L NH S R"]
     o_b: Float[Array, "L S R H"]
-    up_a: Float[Array, "L S H UR"] | None = None
-    up_b: Float[Array, "L S UR I2"] | None = None
-    down_a: Float[Array, "L S I R"] | None = None
+    up_a: Float[Array, "L H S UR"] | None = None
+    up_b: Float[Array, "L S R I2"] | None = None
+    down_a: Float[Array, "L I S R"] | None = None
     down_b: Float[Array, "L S R H"] | None = None
+
+    def replace_slot(self, slot: Int[Array, ""], one: "LoraWeights") -> "LoraWeights":
+        """These slots with `slot` replaced by `one`'s only slot."""
+        def put(every: Array | None, new: Array | None, axis: int) -> Array | None:
+            if every is None:
+                return None
+            return jax.lax.dynamic_update_slice_in_dim(every, new.astype(every.dtype), slot, axis=axis)
+
+        return self.replace(**{f"{short}_{side}": put(getattr(self, f"{short}_{side}"), getattr(one, f"{short}_{side}"),
+                                                      SLOT_AXIS[side]) for short in SHORT for side in "ab"})
+
+    @property
+    def num_slots(self) -> int:
+        return self.qkv_b.shape[SLOT_AXIS["b"]]
 
 
 @dataclass(frozen=True)
 class LoraAdapter:
     """One adapter read from disk and laid out for the decoder: per field, A [L, in, P x R] and B
-    [L, P x R, out] as numpy (host) arrays, ready to be written into a slot."""
+    [L, R, out] as numpy (host) arrays, ready to be written into a slot."""
 
     path: Path
     rank: int  # the largest rank among its modules
@@ -97,8 +116,8 @@ def abstract_weights(cfg: ModelConfig, layout: Layout, num_slots: int, max_rank:
     arrays = {}
     for name, (rows_in, width, rows_out) in _field_shapes(cfg, layout, max_rank).items():
         short = name.removesuffix("_w")
-        arrays[f"{short}_a"] = jax.ShapeDtypeStruct((cfg.num_layers, num_slots, rows_in, width), np.dtype(dtype))
-        arrays[f"{short}_b"] = jax.ShapeDtypeStruct((cfg.num_layers, num_slots, width, rows_out), np.dtype(dtype))
+        arrays[f"{short}_a"] = jax.ShapeDtypeStruct((cfg.num_layers, rows_in, num_slots, width), np.dtype(dtype))
+        arrays[f"{short}_b"] = jax.ShapeDtypeStruct((cfg.num_layers, num_slots, max_rank, rows_out), np.dtype(dtype))
     return LoraWeights(**arrays)
 
 
@@ -183,7 +202,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, layout: Layout, max_rank: i
     for field_name, field_parts in parts.items():
         rows_in, width, rows_out = shapes[field_name]
         a = np.zeros((cfg.num_layers, rows_in, width), np.float32)
-        b_hf = np.zeros((cfg.num_layers, rows_out, width), np.float32)  # [out, P x R], HF's row order
+        b_hf = np.zeros((cfg.num_layers, rows_out, max_rank), np.float32)  # [out, R], HF's row order
         offset = 0
         for j, (module, rows) in enumerate(field_parts):
             for i in range(cfg.num_layers):
@@ -209,7 +228,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, layout: Layout, max_rank: i
                 module_alpha = float(_pattern_value(alpha_patterns, name, alpha))
                 scale = module_alpha / (math.sqrt(r) if rslora else r)
                 a[i, :, j * max_rank:j * max_rank + r] = la.T
-                b_hf[i, offset:offset + rows, j * max_rank:j * max_rank + r] = lb * scale
+                b_hf[i, offset:offset + rows, :r] = lb * scale
             offset += rows
         transform = layout.layer[field_name].transform
         if transform is not None:  # the field's rows re-ordered as the base weight's are (Falcon's QKV)
@@ -227,11 +246,11 @@ def write_slot(weights: LoraWeights, slot: int, adapter: LoraAdapter | None) -> 
         if a_all is None:
             continue
         if adapter is None:
-            a_all[:, slot] = 0
+            a_all[:, :, slot] = 0
             b_all[:, slot] = 0
         else:
             a, b = adapter.weights[field_name]
-            a_all[:, slot], b_all[:, slot] = a, b
+            a_all[:, :, slot], b_all[:, slot] = a, b
     return weights
 
 
@@ -240,16 +259,29 @@ def slot_mask(slots: Int[Array, " T"], num_slots: int, dtype: Any) -> Float[Arra
     return (slots[:, None] == jnp.arange(num_slots, dtype=slots.dtype)[None, :]).astype(dtype)
 
 
-def lora_delta(x: Float[Array, "T I"], a: Float[Array, "S I R"], b: Float[Array, "S R O"],
-               mask: Float[Array, "T S"], reduce: Callable[[Array], Array] | None = None) -> Float[Array, "T O"]:
-    """Each row's x @ A[slot] @ B[slot] (zeros for a row without a slot), float32 accumulation.
-    `reduce` (row-parallel: `x` and `a` hold this device's rows) sums the small x @ A over the
-    devices before the product with B, which every device holds whole."""
-    xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype), precision=jax.lax.Precision.HIGHEST,
+def lora_delta(x: Float[Array, "T I"], a: Float[Array, "I S PR"], b: Float[Array, "S R O"],
+               mask: Float[Array, "T S"], reduce: Callable[[Array], Array] | None = None,
+               parts: tuple[int, ...] = ()) -> Float[Array, "T O"]:
+    """Each row's x @ A[slot] @ B[slot] (zeros for a row without a slot), float32 accumulation. For
+    a fused field of P parts, `parts` gives each part's output columns (in order): they take that
+    part's R columns of x @ A. `reduce` (row-parallel: `x` and `a` hold this device's rows) sums
+    the small x @ A over the devices before the product with B, which every device holds whole."""
+    xa = jnp.einsum("ti,isr->tsr", x, a.astype(x.dtype), precision=jax.lax.Precision.HIGHEST,
                     preferred_element_type=jnp.float32)
     if reduce is not None:
         xa = reduce(xa)
     xa = (xa * mask[:, :, None].astype(jnp.float32)).astype(x.dtype)
-    y = jnp.einsum("tsr,sro->to", xa, b.astype(x.dtype), precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    t, s, width = xa.shape
+    rank = b.shape[1]
+    num_parts = width // rank
+    if num_parts == 1:
+        parts = (b.shape[2],)
+    elif len(parts) != num_parts or sum(parts) != b.shape[2]:
+        raise ValueError(f"a fused LoRA field of {num_parts} parts over {b.shape[2]} columns, split as {parts}")
+    xa = xa.reshape(t, s, num_parts, rank)
+    outs, start = [], 0
+    for p, columns in enumerate(parts):
+        outs.append(jnp.einsum("tsr,sro->to", xa[:, :, p], b[:, :, start:start + columns].astype(x.dtype),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32))
+        start += columns
+    return (outs[0] if num_parts == 1 else jnp.concatenate(outs, axis=1)).astype(x.dtype)

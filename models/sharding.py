@@ -53,11 +53,11 @@ def shard_rules(cfg: ModelConfig, vocab_parallel: bool, expert_parallel: bool = 
         "moe.experts_up_w": ShardRule(3, "gated"), "moe.experts_down_w": ShardRule(2),
         "moe.shared_up_w": ShardRule(2, "gated"), "moe.shared_down_w": ShardRule(1),
     }
-    # LoRA slots (models/lora.py, [L, slots, in, rank] and [L, slots, rank, out]) split with their
+    # LoRA slots (models/lora.py, A [L, in, slots, rank] and B [L, slots, rank, out]) split with their
     # base weights: a column-parallel field's B by the same columns (regrouped per device the same
     # way), a row-parallel field's A by the same rows (its small product summed over the devices).
-    rules |= {"lora.qkv_b": ShardRule(3, "qkv"), "lora.o_a": ShardRule(2), "lora.up_b": ShardRule(3, gated),
-              "lora.down_a": ShardRule(2)}
+    rules |= {"lora.qkv_b": ShardRule(3, "qkv"), "lora.o_a": ShardRule(1), "lora.up_b": ShardRule(3, gated),
+              "lora.down_a": ShardRule(1)}
     if expert_parallel:
         rules |= {"moe.experts_up_w": ShardRule(1), "moe.experts_down_w": ShardRule(1)}  # [L, E, in, out]
     if vocab_parallel:

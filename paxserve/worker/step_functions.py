@@ -121,8 +121,7 @@ def write_lora_slot(slots: Any, one: Any, slot: Int[Array, ""]) -> Any:
     """LoRA slots (models/lora.py's LoraWeights, [L, S, ...] per field) with slot `slot` replaced by
     `one`'s only slot ([L, 1, ...]). The model runner jits it with the slots donated, so the write is
     in place."""
-    return jax.tree.map(lambda every, new: jax.lax.dynamic_update_slice_in_dim(every, new.astype(every.dtype), slot,
-                                                                               axis=1), slots, one)
+    return slots.replace_slot(slot, one)
 
 
 def attention_metadata(batch: Batch) -> AttentionMetadata:

@@ -180,7 +180,7 @@ def test_under_tensor_parallelism_the_slots_split_with_their_weights(size: int, 
     for i, (path, _) in enumerate(adapters):
         write_slot(lora, i, read_adapter(path, model.config, layout, MAX_RANK, np.float32))
     placed = model.tp.place_lora(lora)
-    assert placed.qkv_b.sharding.spec[3] == "tp" and placed.o_a.sharding.spec[2] == "tp"
+    assert placed.qkv_b.sharding.spec[3] == "tp" and placed.o_a.sharding.spec[1] == "tp"
     assert placed.qkv_a.sharding.is_fully_replicated and placed.o_b.sharding.is_fully_replicated
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (7, 19, 12)]
