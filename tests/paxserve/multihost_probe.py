@@ -1,13 +1,14 @@
 """One rank of a two-process engine (2 simulated CPU devices each), for test_multihost.py.
 
-    python multihost_probe.py RANK MASTER_PORT OUT EAGLE3_HEAD_DIR MODEL_DIR [MODEL_DIR ...]
+    python multihost_probe.py RANK MASTER_PORT OUT EAGLE3_HEAD_DIR LORA_DIR,LORA_DIR MODEL_DIR [MODEL_DIR ...]
 
 Each model in turn: every rank builds the engine with the same settings (tensor parallel 4 over the
 two processes); rank 0 completes the requests of `multihost_args` and writes them, with
 what the engine decided, to OUT.rank0.json; rank 1 runs rank 0's steps until rank 0 closes the engine.
 Then the first model again with speculation: n-gram (its proposals the first run's own answers,
 right for two tokens, then wrong, so that steps verify and reject proposals over both processes),
-itself as its draft model, and the EAGLE-3 head (their passes replayed by rank 1 too).
+itself as its draft model, and the EAGLE-3 head (their passes replayed by rank 1 too); and with two
+LoRA adapters sharing one device slot (rank 1 replays each slot write).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.paxserve.multihost_args import ENGINE_ARGS, PROMPTS, SPEC, logprob_ro
 
 def main() -> int:
     rank, port, out_path = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    head, models = sys.argv[4], sys.argv[5:]
+    head, loras, models = sys.argv[4], sys.argv[5].split(","), sys.argv[6:]
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s: %(message)s")
     import jax
 
@@ -55,9 +56,27 @@ def main() -> int:
     for name, config in [("spec", SPEC), ("draft", {"model": models[0], "num_speculative_tokens": 3}),
                          ("eagle3", {"method": "eagle3", "model": head, "num_speculative_tokens": 3})]:
         results[name] = speculate(models[0], rank, port, config, answers)
+    results["lora"] = lora(models[0], rank, port, loras)
     out_path.with_suffix(f".rank{rank}.json").write_text(json.dumps(
         {"devices": jax.device_count(), "local": jax.local_device_count(), "models": results}))
     return 0
+
+
+def lora(model: str, rank: int, port: int, adapters: list[str]) -> dict:
+    """The first model serving two adapters from one slot, greedy: requests [A, B, base, A]."""
+    from paxserve import Engine, LoRARequest, SamplingParams
+
+    engine = Engine(model, **ENGINE_ARGS, nnodes=2, node_rank=rank, master_port=port, distributed_init_timeout=60,
+                    enable_lora=True, max_loras=1, max_lora_rank=8)
+    if engine.is_worker:
+        return {"worker_steps": engine.run_worker(), "lora_writes": engine.runner.num_lora_writes}
+    requests = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False,
+                           lora_request=[requests[0], requests[1], None, requests[0]])
+    result = {"tokens": [o.outputs[0].token_ids for o in outs], "lora_writes": engine.runner.num_lora_writes,
+              "blocks_free": engine.kv.num_free_blocks, "kv_blocks": engine.plan.num_blocks}
+    engine.close()
+    return result
 
 
 def speculate(model: str, rank: int, port: int, config: dict, answers: list[list[int]] | None) -> dict:

@@ -78,11 +78,21 @@ def head(models: dict[str, tuple[Any, Path]], tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def two_ranks(models: dict[str, tuple[Any, Path]], head: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def loras(models: dict[str, tuple[Any, Path]], tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, Any]]:
+    """Two PEFT adapters of the llama, of ranks 8 and 4 (with rsLoRA and patterns)."""
+    from tests.models.test_lora import ADAPTERS, write_adapter
+
+    root = tmp_path_factory.mktemp("multihost-loras")
+    return [write_adapter(models["llama"][0], root / f"a{i}", seed=60 + i, **ADAPTERS[i]) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(models: dict[str, tuple[Any, Path]], head: Path, loras: list[tuple[Path, Any]],
+              tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Both ranks' reports of the engines they ran, one after the other."""
     out = tmp_path_factory.mktemp("multihost-out") / "out"
     port = _free_port()
-    command = [sys.executable, str(PROBE), "RANK", str(port), str(out), str(head),
+    command = [sys.executable, str(PROBE), "RANK", str(port), str(out), str(head), ",".join(str(p) for p, _ in loras),
                *(str(d) for _, d in models.values())]
     procs = [subprocess.Popen([*command[:2], str(rank), *command[3:]], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, errors="replace") for rank in (0, 1)]
@@ -216,6 +226,26 @@ def _meet_all(ranks: list[int], nnodes: int, digests: dict[int, str], timeout: f
     for t in threads:
         t.join(timeout=timeout + 40)
     return outcomes
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_two_processes_serve_lora_adapters_sharing_a_slot(models: dict[str, tuple[Any, Path]],
+                                                           loras: list[tuple[Path, Any]], two_ranks: list[dict],
+                                                           report) -> None:
+    """Two adapters and the base model over two hosts with one device slot: rank 1 replays every
+    slot write rank 0 makes (the slots split over all 4 devices), and each request's greedy tokens
+    are transformers + PEFT's."""
+    rank0, rank1 = (r["models"]["lora"] for r in two_ranks)
+    assert rank0["lora_writes"] == 2 and rank1["lora_writes"] == 2  # A, then B once A's requests are done
+    assert rank0["blocks_free"] == rank0["kv_blocks"] - 1
+    base = models["llama"][0]
+    for prompt, model, got in zip(PROMPTS, [loras[0][1], loras[1][1], base, loras[0][1]], rank0["tokens"]):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert got == ref[0, len(prompt):].tolist()
+    report(f"LoRA over 2 hosts: 2 adapters + the base through 1 slot ({rank0['lora_writes']} writes, replayed by "
+           "rank 1) = transformers + PEFT")
 
 
 def test_rendezvous_names_the_rank_that_never_came() -> None:
