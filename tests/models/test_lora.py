@@ -139,6 +139,31 @@ def test_a_mixed_batch_gives_each_row_its_adapters_logits(family: str, tmp_path:
            f"(worst relative logit error {worst:.1e})")
 
 
+# The other families' own module names: Falcon fuses q, k and v in one module (its rows interleaved
+# per KV group, which the adapter's B follows) and names its MLP after widths; Qwen2-MoE's MLP is MoE.
+OTHER_FAMILIES = {"gemma3": ADAPTERS[0]["target_modules"],
+                  "falcon-grouped": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+                  "qwen2-moe": ATTENTION_ONLY}
+
+
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_the_other_families_take_adapters_on_their_own_module_names(family: str, tmp_path: Path) -> None:
+    base = make_family_checkpoint(family, tmp_path / "base", seed=2)
+    path, peft_model = write_adapter(base, tmp_path / "adapter", seed=12, r=8, lora_alpha=16,
+                                     target_modules=OTHER_FAMILIES[family])
+    model = load_model(str(tmp_path / "base"))
+    layout = get_architecture(model.config.architecture).layout(model.config)
+    lora = write_slot(empty_weights(model.config, layout, 2, MAX_RANK, np.float32), 1,
+                      read_adapter(path, model.config, layout, MAX_RANK, np.float32))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (13, 8)]
+    ours = run_batch(model, prompts, [1, -1], lora)
+    for row, (prompt, hf) in enumerate(zip(prompts, (peft_model, base))):
+        want = last_logits(hf, prompt)
+        assert rel_error(ours[row], want)[1] < 1e-4, row
+    assert rel_error(last_logits(base, prompts[0]), last_logits(peft_model, prompts[0]))[1] > 1e-2
+
+
 def test_adapters_that_cannot_serve_are_refused_naming_why(tmp_path: Path) -> None:
     base = make_tiny_llama(tmp_path / "base", seed=2, num_key_value_heads=2)
     model = load_model(str(tmp_path / "base"))
