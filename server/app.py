@@ -112,7 +112,7 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     return {
         "id": name, "object": "model", "created": state.created, "owned_by": "paxserve",
         "root": lora.lora_path if lora is not None else state.settings.model_root or name,
-        "parent": state.settings.model_name if lora is not None else None,
+        "parent": state.settings.lora_modules.parent(name) if lora is not None else None,
         "max_model_len": state.settings.max_model_len,
         "permission": [{
             "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,

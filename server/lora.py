@@ -82,14 +82,21 @@ class LoraModules:
     base_model_name: str
     runtime_updating: bool = False
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    parents: dict[str, str] = field(default_factory=dict)  # `base_model_name` given with --lora-modules
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
         """A new adapter under `name`, with an id never used before on this server (an unloaded
         adapter's id is never reused, so no device slot can hold a stale one)."""
         request = LoRARequest(name, next(self._ids), path)
         self.adapters[name] = request
+        if parent is not None:
+            self.parents[name] = parent
         return request
+
+    def parent(self, name: str) -> str:
+        """What /v1/models shows as an adapter's `parent`: its stated base, else the served model."""
+        return self.parents.get(name, self.base_model_name)
 
     def get(self, name: str | None) -> LoRARequest | None:
         return None if name is None else self.adapters.get(name)
@@ -124,6 +131,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     candidate = LoRARequest(body.lora_name, next(modules._ids), body.lora_path)
     await _read(state, candidate)
     modules.adapters[body.lora_name] = candidate
+    modules.parents.pop(body.lora_name, None)
     if held is not None:
         state.async_engine.input_processor.lora.forget(held.lora_int_id)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -141,6 +149,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     if held is None or (body.lora_int_id is not None and body.lora_int_id != held.lora_int_id):
         raise ProtocolError(f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name", status=404)
     del modules.adapters[body.lora_name]
+    modules.parents.pop(body.lora_name, None)
     state.async_engine.input_processor.lora.forget(held.lora_int_id)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -106,9 +106,11 @@ def run_server(args: argparse.Namespace) -> int:
     if not args.enable_lora and (args.lora_modules or args.allow_runtime_lora_updating):
         raise ValueError("--lora-modules and --allow-runtime-lora-updating serve LoRA adapters: add --enable-lora")
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    clash = sorted({m.name for m in args.lora_modules or ()} & set(names))
+    lora_names = [m.name for m in args.lora_modules or ()]
+    clash = sorted(set(lora_names) & set(names)) or sorted({n for n in lora_names if lora_names.count(n) > 1})
     if clash:
-        raise ValueError(f"--lora-modules: {clash[0]!r} is also the base model's name (--served-model-name)")
+        raise ValueError(f"--lora-modules: {clash[0]!r} names two models (an adapter and the base model, or two "
+                         "adapters)")
     from paxserve.engine.async_engine import AsyncEngine  # JAX comes in here, not at import time
     from paxserve.engine.llm_engine import Engine
 
@@ -136,7 +138,7 @@ def run_server(args: argparse.Namespace) -> int:
     if settings.lora_modules is not None:  # the served names may be the model's hub id, as vLLM users give it
         engine.input_processor.lora.base_models = (args.model, *settings.served_model_names)
     for module in args.lora_modules or ():
-        lora = settings.lora_modules.add(module.name, module.path)
+        lora = settings.lora_modules.add(module.name, module.path, module.base_model_name)
         try:
             engine.add_lora(lora)  # read and checked now: an adapter that cannot serve stops the start
         except ValueError as e:

@@ -95,3 +95,21 @@ def test_the_scheduler_passes_over_a_request_whose_adapter_has_no_slot_and_loads
     assert out.lora_loads == [(0, "weights-2")]
     keys = {lora_id: sched.kv._hashes(request(f"k{lora_id}", lora_id), 4)[0] for lora_id in (0, 1, 2)}
     assert len({k.value for k in keys.values()}) == 3
+
+
+def test_lora_settings_are_checked_naming_the_field_and_the_flags_parse_both_forms() -> None:
+    import argparse
+
+    from paxserve.config import EngineConfig
+    from paxserve.server.lora import LoraModule, parse_lora_module
+
+    for kwargs, field in [({"max_loras": 0}, "max_loras"), ({"max_lora_rank": 1024}, "max_lora_rank"),
+                          ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras"), ({"max_loras": True}, "max_loras")]:
+        with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+            EngineConfig(enable_lora=True, **kwargs)
+    assert parse_lora_module("sql = /a/sql") == LoraModule("sql", "/a/sql")
+    assert parse_lora_module('{"name": "chat", "path": "/a/chat", "base_model_name": "org/m"}') == \
+        LoraModule("chat", "/a/chat", "org/m")
+    for bad in ("sql", "=/a", '{"name": "x"}', '{"name": "x", "path": "/p", "rank": 8}', "{not json"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--lora-modules"):
+            parse_lora_module(bad)

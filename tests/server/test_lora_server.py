@@ -35,7 +35,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server(adapters: dict[str, Path]) -> ServerProcess:
     srv = start_server([*SMALL_ARGS, "--served-model-name", BASE, HUB_ID, "--enable-lora", "--max-loras", "2",
                         "--max-lora-rank", "8", "--lora-modules", f"every={adapters['every']}",
-                        json.dumps({"name": "attn", "path": str(adapters["attn"])}),
+                        json.dumps({"name": "attn", "path": str(adapters["attn"]), "base_model_name": HUB_ID}),
                         "--allow-runtime-lora-updating"])
     yield srv
     srv.stop()
@@ -61,7 +61,8 @@ def test_adapters_are_models_and_each_runs_its_own_weights(server: ServerProcess
     client = server.client()
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == [BASE, HUB_ID, "every", "attn"]
-    assert cards["every"].model_extra["parent"] == BASE and cards["attn"].model_extra["parent"] == BASE
+    # The served model's first name, or the base the JSON form names.
+    assert cards["every"].model_extra["parent"] == BASE and cards["attn"].model_extra["parent"] == HUB_ID
     assert cards[BASE].model_extra["parent"] is None
     assert client.models.retrieve("attn").id == "attn"
     outs = {}
