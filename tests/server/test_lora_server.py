@@ -90,12 +90,19 @@ def test_adapters_load_and_unload_at_run_time(server: ServerProcess, adapters: d
         == before
     assert_error(server.post("/v1/load_lora_adapter", {"lora_name": "again", "lora_path": str(adapters["attn"])}),
                  400, mentions="already been loaded")
+    # The refusals below arrive while a request streams with an adapter: it runs on untouched.
+    stream = client.completions.create(model="every", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    chunks = iter(stream)
+    streamed = next(chunks).choices[0].text
     for name, path, words in (("wide", adapters["wide"], "rank 16"), ("gone", adapters["every"].parent / "missing",
                                                                       "adapter_config.json"),
                               ("other", adapters["other-base"], "org/other-model"), (BASE, adapters["attn"], "base")):
         assert_error(server.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}), 400,
                      mentions=words)
     assert_error(server.post("/v1/load_lora_adapter", {"lora_name": "x"}), 400, param="lora_path")
+    streamed += "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == client.completions.create(model="every", prompt=PROMPT, max_tokens=24,
+                                                 temperature=0).choices[0].text
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "again"}).status == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="again", prompt=PROMPT, max_tokens=2)
