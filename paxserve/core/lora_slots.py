@@ -101,3 +101,6 @@ class LoraCache(Generic[Adapter]):
 
     def __contains__(self, lora_id: int) -> bool:
         return lora_id in self._adapters
+
+    def ids(self) -> set[int]:
+        return set(self._adapters)

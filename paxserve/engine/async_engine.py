@@ -180,11 +180,12 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
 
     async def generate(self, request_id: str, prompt: Prompt | EngineCoreRequest, params: SamplingParams | None = None,
-                       *, cache_salt: str | None = None, arrival_time: float | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       *, cache_salt: str | None = None, arrival_time: float | None = None,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (in its params' output kind). Invalid input raises
         ValueError before anything streams; an `EngineCoreRequest` (made by `input_processor.process`
-        on an input worker, as the server does) is trusted as it is. Leaving early (a client gone, a cancelled task)
+        on an input worker, as the server does) is trusted as it is. A `lora_request`
+        (paxserve.LoRARequest) runs the request on that adapter (read on an input worker). Leaving early (a client gone, a cancelled task)
         aborts the request and frees its blocks; no moment of cancellation is unsafe."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -194,7 +195,8 @@ class AsyncEngine:
         else:
             params = params or self.input_processor.default_sampling_params()
             request = await self.run_input(self.input_processor.process, engine_id, prompt, params,
-                                           cache_salt=cache_salt, arrival_time=arrival_time)
+                                           cache_salt=cache_salt, arrival_time=arrival_time,
+                                           lora_request=lora_request)
         stream = self._register(request_id, request)
         finished = False
         try:

@@ -134,6 +134,11 @@ class Engine:
         self.parts.input_processor.load_lora(lora_request)
         return True
 
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters read into host memory (vLLM's list_loras)."""
+        loader = self.parts.input_processor.lora
+        return set() if loader is None else loader.ids()
+
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter read into host memory (vLLM's remove_lora): a later request with its id
         reads it again. Requests that use it run on."""

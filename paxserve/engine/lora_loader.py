@@ -66,6 +66,10 @@ class LoraLoader:
         with self._lock:
             self._cache.drop(lora_id)
 
+    def ids(self) -> set[int]:
+        with self._lock:
+            return self._cache.ids()
+
     def __contains__(self, lora_id: int) -> bool:
         with self._lock:
             return lora_id in self._cache

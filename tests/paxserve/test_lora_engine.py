@@ -90,6 +90,7 @@ def test_the_prefix_cache_keeps_each_adapters_kv_apart(setup) -> None:
 def test_adapters_that_cannot_serve_are_refused_and_the_engine_goes_on(setup) -> None:
     engine, root, base = setup["engine"], setup["root"], setup["base"]
     wide, _ = write_adapter(base, root / "rank32", seed=50, r=32, lora_alpha=32, target_modules=["q_proj"])
+    engine.add_lora(setup["loras"][0])  # id 1 is adapter0's while it is held
     cases = [(LoRARequest("wide", 7, str(wide)), "rank 32"),
              (LoRARequest("gone", 8, str(root / "missing")), "adapter_config.json"),
              (LoRARequest("adapter0", 1, str(wide)), "one id per adapter")]
@@ -97,6 +98,8 @@ def test_adapters_that_cannot_serve_are_refused_and_the_engine_goes_on(setup) ->
         with pytest.raises(ValueError, match=words):
             engine.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=request)
     assert not engine.has_unfinished_requests()
+    assert engine.add_lora(setup["loras"][2]) and 3 in engine.list_loras()
+    assert engine.remove_lora(3) and 3 not in engine.list_loras() and not engine.remove_lora(3)
     out = engine.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=setup["loras"][0])[0]
     assert out.outputs[0].token_ids == reference(setup["hf"][0], PROMPTS[1], GREEDY.max_tokens)
 
