@@ -148,6 +148,8 @@ def forward(
 
         scanned["lora"] = lora
         mask = slot_mask(lora_slots, lora.num_slots, x.dtype)
+        # A step without adapter rows skips the products (every device alike: the slots are replicated).
+        any_adapter = jnp.any(lora_slots >= 0)
 
     def delta(xs: dict[str, Array], short: str) -> Any:
         """What each token's LoRA adapter adds to a product (`short`: qkv, o, up, down), from its
@@ -159,7 +161,9 @@ def forward(
         b = getattr(lw, f"{short}_b")
         # A fused field's parts, as the base product is split: q | k | v, and gate | up.
         parts = (q_size, kv_size, kv_size) if short == "qkv" else (b.shape[-1] // 2,) * 2 if short == "up" else ()
-        return lambda h: lora_delta(h, getattr(lw, f"{short}_a"), b, mask, row_parallel, parts)
+        a = getattr(lw, f"{short}_a")
+        return lambda h: jax.lax.cond(any_adapter, lambda h: lora_delta(h, a, b, mask, row_parallel, parts),
+                                      lambda h: jnp.zeros((h.shape[0], b.shape[-1]), h.dtype), h)
     fp8 = kv_cache.fp8
     if fp8 is not None:  # each layer's K and V scales
         scanned |= {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
