@@ -111,6 +111,11 @@ def run_server(args: argparse.Namespace) -> int:
     if clash:
         raise ValueError(f"--lora-modules: {clash[0]!r} names two models (an adapter and the base model, or two "
                          "adapters)")
+    for module in args.lora_modules or ():  # the files' presence now, before minutes of loading; the rest once read
+        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (Path(module.path) / f).is_file()]
+        if missing:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {' and '.join(missing)} not found (a PEFT "
+                             "adapter directory holds both)")
     from paxserve.engine.async_engine import AsyncEngine  # JAX comes in here, not at import time
     from paxserve.engine.llm_engine import Engine
 

@@ -46,3 +46,12 @@ def test_attention_backend_flag_is_validated(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--attention-backend", "cuda"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_refuses_lora_modules_it_cannot_serve_before_loading_anything(tmp_path, capsys) -> None:
+    assert main(["serve", "--lora-modules", f"sql={tmp_path}"]) == 2
+    assert "add --enable-lora" in capsys.readouterr().err
+    assert main(["serve", "--enable-lora", "--lora-modules", f"sql={tmp_path}"]) == 2
+    assert "adapter_config.json and adapter_model.safetensors not found" in capsys.readouterr().err
+    assert main(["serve", "--enable-lora", "--served-model-name", "sql", "--lora-modules", f"sql={tmp_path}"]) == 2
+    assert "names two models" in capsys.readouterr().err

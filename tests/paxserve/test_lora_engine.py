@@ -104,30 +104,25 @@ def test_adapters_that_cannot_serve_are_refused_and_the_engine_goes_on(setup) ->
     assert out.outputs[0].token_ids == reference(setup["hf"][0], PROMPTS[1], GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("setting", ["tp2", "speculation"])
-def test_adapters_under_tensor_parallelism_and_with_speculation_give_the_same_tokens(setup, setting: str) -> None:
-    """At TP 2 (the slots split with their weights, written in place on both devices) with one slot
-    for three adapters, so it is rewritten while requests wait; and with speculative decoding (a
-    verifying step runs each row's proposals through its adapter: proposals right for 2 tokens and
-    wrong after, each verified): every request's tokens are PEFT's."""
+def test_adapters_with_speculation_give_the_same_tokens(setup) -> None:
+    """With speculative decoding (a verifying step runs each row's proposals through its adapter:
+    proposals right for 2 tokens and wrong after, each verified) and one slot for three adapters,
+    rewritten while requests wait: every request's tokens are PEFT's. (Slots split and written over
+    several devices: test_lora.py at TP 2 and 4, and the two-process engine of test_multihost.py.)"""
     from tests.paxserve.test_spec_decode import FlatTimes, OracleProposer
 
     root, loras, hf = setup["root"], setup["loras"], setup["hf"]
-    extra = {"tensor_parallel_size": 2} if setting == "tp2" else \
-        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
-    engine = Engine(str(root / "base"), **{**ARGS, "max_loras": 1, **extra})
+    engine = Engine(str(root / "base"), **{**ARGS, "max_loras": 1,
+                                           "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
     mix = [0, 1, -1, 1, 0, 2]
     prompts = PROMPTS[:len(mix)]
     want = [reference(setup["base"] if a < 0 else hf[a], p, GREEDY.max_tokens) for p, a in zip(prompts, mix)]
-    if setting == "speculation":
-        speculator = engine.parts.core._speculator
-        speculator.proposer = OracleProposer([p + w for p, w in zip(prompts, want)], right=2, vocab_size=256)
-        speculator.times = FlatTimes()  # every proposal is verified, whatever this machine's step times
+    speculator = engine.parts.core._speculator
+    speculator.proposer = OracleProposer([p + w for p, w in zip(prompts, want)], right=2, vocab_size=256)
+    speculator.times = FlatTimes()  # every proposal is verified, whatever this machine's step times
     outs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=[None if a < 0 else loras[a] for a in mix])
     assert [o.outputs[0].token_ids for o in outs] == want
     assert engine.runner.num_lora_writes >= 3
-    if setting == "speculation":
-        snap = engine.snapshot()
-        assert snap.spec_decode_num_drafts >= 6 and 0 < snap.spec_decode_num_accepted_tokens \
-            < snap.spec_decode_num_draft_tokens
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_drafts >= 6 and 0 < snap.spec_decode_num_accepted_tokens < snap.spec_decode_num_draft_tokens
     assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1

@@ -65,12 +65,10 @@ def test_adapters_are_models_and_each_runs_its_own_weights(server: ServerProcess
     assert cards["every"].model_extra["parent"] == BASE and cards["attn"].model_extra["parent"] == HUB_ID
     assert cards[BASE].model_extra["parent"] is None
     assert client.models.retrieve("attn").id == "attn"
-    outs = {}
-    for model, path in ((BASE, None), ("every", adapters["every"]), ("attn", adapters["attn"])):
-        text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
-        outs[model] = text.choices[0].text
-        _, tok = load_hf_smollm2()
-        assert tok.decode(peft_tokens(path, 8)) == outs[model], model
+    outs = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+            for model in (BASE, "every", "attn")}
+    _, tok = load_hf_smollm2()
+    assert tok.decode(peft_tokens(adapters["every"], 8)) == outs["every"]  # every projection adapted
     assert len(set(outs.values())) == 3
     chat = client.chat.completions.create(model="attn", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert chat.model == "attn" and chat.choices[0].message.content is not None
