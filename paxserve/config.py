@@ -148,6 +148,9 @@ class EngineConfig:
     # vLLM's LoRA flags: serve PEFT adapters of the model (requests name one: `LoRARequest`); the
     # device holds `max_loras` of them at once, each of rank up to `max_lora_rank`, and host memory
     # `max_cpu_loras` read ones (None: max_loras).
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (each request's `priority`,
+    # lower first; a better one preempts worse running requests to start).
+    scheduling_policy: str = "fcfs"
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -232,6 +235,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise ValueError(f"EngineConfig.{e}") from None
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise _bad("scheduling_policy", self.scheduling_policy, "must be 'fcfs' or 'priority'")
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

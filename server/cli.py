@@ -259,6 +259,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="MoE models: place whole routed experts on the tensor-parallel devices (num_experts / "
                           "tensor-parallel-size each) instead of splitting every expert's width")
     eng.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    eng.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                     help="the order waiting requests start in: arrival (fcfs), or each request's `priority` "
+                          "(lower first, ties by arrival); under priority a waiting request of a better priority "
+                          "preempts the worst running ones when the batch or the KV cache is full")
     from paxserve.server.lora import add_lora_flags
 
     add_lora_flags(serve.add_argument_group("LoRA adapters"))

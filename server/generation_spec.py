@@ -44,6 +44,7 @@ class GenerationSpec:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     lora_request: Any = None  # the LoRA adapter `model` names (paxserve.LoRARequest), if it names one
+    priority: int = 0  # the request's place under --scheduling-policy priority (lower first)
     structured_param: str | None = None  # the field the output constraint came from (response_format, ...)
     max_tokens_param: str = "max_tokens"  # the field the client used (chat may say max_completion_tokens)
 
@@ -169,7 +170,7 @@ def completion_spec(req: CompletionRequest, settings: ServerSettings) -> Generat
                               structured=structured, skip_special_tokens=req.skip_special_tokens is not False)
     spec = GenerationSpec("completion", model, params, prompts=req.prompt_list(), echo=echo, logprobs=req.logprobs,
                           cache_salt=req.cache_salt, structured_param=structured_param, max_tokens_param=max_name,
-                          lora_request=settings.lora(model))
+                          lora_request=settings.lora(model), priority=req.priority or 0)
     return _stream_flags(req, spec)
 
 
@@ -193,7 +194,7 @@ def chat_spec(req: ChatCompletionRequest, settings: ServerSettings) -> Generatio
                               renames=field_renames("chat", max_name), structured=structured,
                               skip_special_tokens=req.skip_special_tokens is not False and not keep_special)
     spec = GenerationSpec("chat", model, params, messages=messages, logprobs=logprobs, cache_salt=req.cache_salt,
-                          lora_request=settings.lora(model),
+                          lora_request=settings.lora(model), priority=req.priority or 0,
                           max_tokens_param=max_name, structured_param=structured_param,
                           tools=tool_spec.tools or None,
                           output=ChatOutputParsers.for_request(settings, tool_spec, guided=structured is not None),

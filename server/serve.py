@@ -62,7 +62,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
         distributed_init_timeout=args.distributed_init_timeout,
         distributed_heartbeat_timeout=args.distributed_heartbeat_timeout,
-        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        scheduling_policy=args.scheduling_policy, enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         **({"log_stats_interval": 0} if args.disable_log_stats else {}),
     )

@@ -30,6 +30,7 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...]
     seeds: list[int]  # one generator seed per sample
     cache_salt: str | None = None
+    priority: int = 0  # the priority policy's order: lower first
     arrival_time: float = field(default_factory=time.monotonic)
     # The compiled structured-output constraint (paxserve.engine.grammar.CompiledGrammar): each sample
     # gets its own matcher from it.

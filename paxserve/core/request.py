@@ -44,6 +44,7 @@ class Request:
     parent_id: str | None = None  # the user's request id when this is one of n samples
     sample_index: int = 0
     cache_salt: str | None = None  # mixed into its prefix-cache keys: only equal salts share blocks
+    priority: int = 0  # the priority policy's order: lower first (vLLM's)
     # Its reader is behind (a slow client): not scheduled, and the first to give up its blocks.
     paused: bool = False
     output_token_ids: list[int] = field(default_factory=list)

@@ -11,6 +11,13 @@ recomputed later. Nothing ever runs out of memory.
 A paused request (its client reads slower than it is generated) keeps its place but is not
 scheduled, and is the first to give up its blocks to a request that can run.
 
+With `policy="priority"` (vLLM's --scheduling-policy priority) the waiting queue is ordered by
+(priority, arrival): lower values first, ties in arrival order. A waiting request of a strictly
+better priority than the worst running one, that cannot start for want of a batch slot or of blocks,
+has that running request preempted at the start of the schedule (repeatedly, as far as needed), so
+it starts in this step; blocks are also taken from the worst-priority running request first. Equal
+priorities never preempt each other, so they cannot starve one another.
+
 With LoRA adapters, a request starts running only once its adapter holds one of the device's slots
 (`LoraSlots`): one held by an adapter no running request uses is taken over, least recently used
 first. A waiting request whose adapter can get no slot is passed over, not waited for: requests
@@ -19,7 +26,7 @@ behind it (the base model's, or a resident adapter's) still start.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +36,9 @@ from paxserve.core.request import Request, RequestStatus
 from paxserve.sampling_params import SamplingParams
 
 
+POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -36,8 +46,11 @@ class SchedulerConfig:
     max_model_len: int
     # Slots beyond the step's tokens that a draft model writes its proposals' pages into (its k).
     num_lookahead_tokens: int = 0
+    policy: str = "fcfs"  # or "priority"
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -104,7 +117,10 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.lora_slots = lora_slots
-        self.waiting: deque[Request] = deque()
+        # In the order requests are admitted: arrival (a preempted request back at the front), or
+        # (priority, arrival) under the priority policy.
+        self.waiting: list[Request] = []
+        self.by_priority = config.policy == "priority"
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._left_running: list[str] = []  # reported by the next schedule()
@@ -119,7 +135,15 @@ class Scheduler:
         assert request.request_id not in self.requests, request.request_id
         assert request.num_prompt_tokens + request.max_tokens <= self.config.max_model_len, request.request_id
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_rank)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
 
     def _preempt(self, request: Request) -> None:
         self._left_running.append(request.request_id)
@@ -128,7 +152,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _with_lookahead(self, request: Request, num_new: int, num_hit: int = 0) -> int:
         """The slots a step of `num_new` tokens allocates: a draft model's lookahead besides (up to
@@ -151,9 +175,37 @@ class Scheduler:
             self._preempt(request)
         return victims
 
+    def _preempt_for_priority(self, out: SchedulerOutput) -> set[str]:
+        """Under the priority policy: while the best waiting request has a strictly better priority
+        than the worst running one and could not start (no batch slot, or fewer free blocks than
+        its tokens need), preempt that running request. Returns the ids preempted."""
+        preempted: set[str] = set()
+        in_use = self._adapters_in_use()
+        best = next((r for r in self.waiting if not r.paused and not r.num_output_placeholders
+                     and self._adapter_fits(r, in_use)), None)
+        while best is not None and self.running:
+            worst = max(self.running, key=_rank)
+            if worst.priority <= best.priority:
+                break
+            full = len(self.running) >= self.config.max_num_seqs
+            blocks = -(-(best.num_tokens + self.config.num_lookahead_tokens) // self.kv.block_size)
+            if not full and self.kv.num_free_blocks >= blocks:
+                break
+            self.running.remove(worst)
+            self._preempt(worst)
+            out.preempted_ids.append(worst.request_id)
+            preempted.add(worst.request_id)
+        return preempted
+
+    def _victim(self) -> Request:
+        """Who gives up its blocks when a running request lacks some: a paused request (it makes no
+        progress), else the newest running one, or under the priority policy the worst-ranked."""
+        return self._newest_paused() or (max(self.running, key=_rank) if self.by_priority else self.running[-1])
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        preempted_now = self._preempt_for_priority(out) if self.by_priority else set()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -179,9 +231,7 @@ class Scheduler:
                     spec, num_new = [], min(lacking, budget)
                     slots = num_new
                     continue
-                # A paused request makes no progress, so it gives up its blocks first; otherwise
-                # the newest running one does.
-                victim = self._newest_paused() or self.running[-1]
+                victim = self._victim()
                 index = self.running.index(victim)
                 del self.running[index]
                 if index < i:
@@ -199,13 +249,14 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing after it is running any more
 
-        # Admitting new work in a step that had to preempt would only thrash.
-        thrashing = bool(out.preempted_ids)
+        # Admitting new work in a step that had to preempt for blocks would only thrash (preempting
+        # for a better priority is done to admit it).
+        thrashing = len(out.preempted_ids) > len(preempted_now)
         while not thrashing and budget > 0:
             # A preempted request whose last step is still in flight waits for its token first.
             in_use = self._adapters_in_use()
             index = next((j for j, r in enumerate(self.waiting) if not r.paused and not r.num_output_placeholders
-                          and self._adapter_fits(r, in_use)), None)
+                          and r.request_id not in preempted_now and self._adapter_fits(r, in_use)), None)
             if index is None:
                 break
             if len(self.running) >= self.config.max_num_seqs:
@@ -339,3 +390,8 @@ class Scheduler:
         if request is not None:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+
+def _rank(request: Request) -> tuple[int, float, str]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival_time, request.request_id

@@ -181,7 +181,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: Prompt | EngineCoreRequest, params: SamplingParams | None = None,
                        *, cache_salt: str | None = None, arrival_time: float | None = None,
-                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: Any = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (in its params' output kind). Invalid input raises
         ValueError before anything streams; an `EngineCoreRequest` (made by `input_processor.process`
         on an input worker, as the server does) is trusted as it is. A `lora_request`
@@ -196,7 +196,7 @@ class AsyncEngine:
             params = params or self.input_processor.default_sampling_params()
             request = await self.run_input(self.input_processor.process, engine_id, prompt, params,
                                            cache_salt=cache_salt, arrival_time=arrival_time,
-                                           lora_request=lora_request)
+                                           lora_request=lora_request, priority=priority)
         stream = self._register(request_id, request)
         finished = False
         try:

@@ -163,7 +163,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, plan.max_model_len,
                                           num_lookahead_tokens=0 if draft_info is None and eagle_info is None
-                                          else spec.num_speculative_tokens), kv,
+                                          else spec.num_speculative_tokens, policy=config.scheduling_policy), kv,
                           LoraSlots(config.max_loras) if config.enable_lora else None)
     is_worker = cluster is not None and cluster.rank != 0
     if spec is not None and spec.method == "ngram":
@@ -191,7 +191,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # that runs past its limit is stopped whatever it does.
     input_processor = InputProcessor(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids,
                                      plan.max_model_len, config.seed, sampling_defaults=sampling_defaults,
-                                     renderer=RenderPool(num_workers=2), lora=_lora_loader(config, model))
+                                     renderer=RenderPool(num_workers=2), lora=_lora_loader(config, model),
+                                     priority_scheduling=config.scheduling_policy == "priority")
     parts = EngineParts(config, cluster, channel, attention_backend, activation_bytes, plan, model, sampling_defaults,
                         max_num_batched_tokens, kv, scheduler, runner, stats, core, input_processor,
                         OutputProcessor(model.tokenizer))

@@ -125,6 +125,7 @@ class EngineCore:
                     sampling_params=request.sampling_params, max_tokens=request.max_tokens,
                     eos_token_ids=request.eos_token_ids, seed=request.seeds[i], arrival_time=request.arrival_time,
                     parent_id=request.request_id, sample_index=i, cache_salt=request.cache_salt,
+                    priority=request.priority,
                     matcher=None if request.grammar is None else request.grammar.new_matcher(),
                     # One sample scores the prompt for all n; the others may use the prefix cache.
                     prompt_logprobs=PromptLogprobsBuffer.empty(len(request.prompt_token_ids), prompt_k)

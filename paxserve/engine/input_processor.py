@@ -47,8 +47,10 @@ class InputProcessor:
                  seed: int, render_limits: RenderLimits | None = None,
                  sampling_defaults: Mapping[str, Any] | None = None,
                  grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, renderer: RenderPool | None = None,
-                 lora: Any = None) -> None:
-        """`lora`: the engine's `LoraLoader` when it serves LoRA adapters (requests may name one)."""
+                 lora: Any = None, priority_scheduling: bool = False) -> None:
+        """`lora`: the engine's `LoraLoader` when it serves LoRA adapters (requests may name one);
+        `priority_scheduling`: the scheduler orders requests by their priority (else any but 0 is
+        refused, as vLLM does)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -74,6 +76,7 @@ class InputProcessor:
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
         self.lora = lora
+        self.priority_scheduling = priority_scheduling
 
     def start(self) -> None:
         """Start the template workers (if any) now rather than on the first chat request: a server
@@ -179,7 +182,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                 cache_salt: str | None = None, arrival_time: float | None = None, add_special_tokens: bool = True,
-                prompt_param: str = "prompt", lora_request: Any = None) -> EngineCoreRequest:
+                prompt_param: str = "prompt", lora_request: Any = None, priority: int = 0) -> EngineCoreRequest:
         """Tokenize and validate one request: the only check a request gets after its body's types
         (everything downstream trusts the result). Raises RequestError and changes nothing. A
         `lora_request` (paxserve.LoRARequest)'s adapter is read here when host memory lacks it.
@@ -189,6 +192,7 @@ class InputProcessor:
         params = params or self.default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string", param="request_id")
+        self.check_priority(priority)
         text, ids, cache_salt = self._prompt(prompt, cache_salt, add_special_tokens, prompt_param)
         self.check_prompt_length(len(ids), prompt_param)
         params.check_vocab(self.vocab_size)
@@ -202,7 +206,14 @@ class InputProcessor:
             request_id=request_id, prompt=text, prompt_token_ids=ids, sampling_params=params, max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids, seeds=seeds, cache_salt=cache_salt,
             grammar=grammar, arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            lora_request=lora_request, lora_adapter=adapter)
+            lora_request=lora_request, lora_adapter=adapter, priority=priority)
+
+    def check_priority(self, priority: Any) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
+            raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        if priority != 0 and not self.priority_scheduling:
+            raise RequestError(f"Got priority {priority} but Priority scheduling is not enabled (start the engine "
+                               "with scheduling_policy='priority', --scheduling-policy priority).", param="priority")
 
     def load_lora(self, lora_request: Any) -> Any:
         """The adapter `lora_request` names, read for this model (RequestError if it cannot serve)."""

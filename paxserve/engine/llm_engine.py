@@ -56,12 +56,13 @@ class Engine:
     # ---- requests (the three pieces, driven from the caller's thread) --------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> None:
         """Queue a prompt (text, token ids, or vLLM's {"prompt" | "prompt_token_ids", "cache_salt"}
-        dict), with a LoRA adapter if the engine serves them. Invalid input raises ValueError naming
-        the field and changes nothing."""
+        dict), with a LoRA adapter if the engine serves them and a priority if it schedules by them
+        (lower first). Invalid input raises ValueError naming the field and changes nothing."""
         request = self.parts.input_processor.process(request_id, prompt, params, cache_salt=cache_salt,
-                                                     lora_request=lora_request)
+                                                     lora_request=lora_request, priority=priority)
         self.add_processed_request(request)
 
     def add_processed_request(self, request: EngineCoreRequest) -> None:
@@ -107,9 +108,11 @@ class Engine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); outputs come back in input order.
-        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt; `priority`: one
+        per prompt (vLLM's; the engine must schedule by priority)."""
         if isinstance(prompts, (str, Mapping)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # type: ignore[list-item]
@@ -126,7 +129,10 @@ class Engine:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
-        return self._run_batch(prompts, params_list, use_tqdm, loras)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompts)} prompts")
+        return self._run_batch(prompts, params_list, use_tqdm, loras, priorities)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter now (vLLM's add_lora), so its first request does not wait for the read;
@@ -169,13 +175,15 @@ class Engine:
         return outs
 
     def _run_batch(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-                   loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                   loras: list[LoRARequest | None] | None = None,
+                   priorities: list[int] | None = None) -> list[RequestOutput]:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         loras = loras or [None] * len(prompts)
+        priorities = priorities or [0] * len(prompts)
         # Validate everything first, so a bad prompt anywhere in the list queues nothing.
         requests = [self.parts.input_processor.process(rid, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY),
-                                                       lora_request=lora)
-                    for rid, prompt, p, lora in zip(ids, prompts, params, loras)]
+                                                       lora_request=lora, priority=rank)
+                    for rid, prompt, p, lora, rank in zip(ids, prompts, params, loras, priorities)]
         try:
             for request in requests:
                 self.add_processed_request(request)

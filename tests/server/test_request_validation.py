@@ -112,6 +112,8 @@ BAD_COMPLETIONS = {
                                          "stream_options"),
     "invalid values with stream true": ({"stream": True, "temperature": 9}, "temperature"),
     "empty cache_salt": ({"cache_salt": ""}, "cache_salt"),
+    "priority without --scheduling-policy priority": ({"priority": 3}, "priority"),
+    "priority not an integer": ({"priority": 1.5}, "priority"),
     "a bad JSON schema": ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
                           "response_format"),
     "two output constraints": ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
