@@ -90,8 +90,8 @@ def resolve_source(model: str | os.PathLike | None) -> tuple[str, Path]:
                " (a Hugging Face checkpoint directory needs config.json and safetensors weights)")
         )
     raise ValueError(
-        f"model {str(model)!r} is not a local directory or .gguf file; paxserve has no model hub access, "
-        "so download the checkpoint first and pass its path"
+        f"model {str(model)!r} is not a local directory or .gguf file, nor a Hugging Face Hub id (org/name, or "
+        "org/name:FILE.gguf)"
     )
 
 
@@ -441,8 +441,8 @@ def _tokenizer_from_path(source: str | os.PathLike) -> PreTrainedTokenizerBase:
             raise ValueError(f"tokenizer {str(source)!r} has no tokenizer files (tokenizer.json, "
                              "tokenizer_config.json, tokenizer.model or vocab.json)")
         return found
-    raise ValueError(f"tokenizer {str(source)!r} is not a local directory or .gguf file; paxserve has no model hub "
-                     "access, so download the tokenizer first and pass its path")
+    raise ValueError(f"tokenizer {str(source)!r} is not a local directory or .gguf file, nor a Hugging Face Hub id "
+                     "(org/name)")
 
 
 def _check_tokenizer_vocab(tok: PreTrainedTokenizerBase, vocab_size: int, source: str) -> None:

@@ -27,10 +27,10 @@ def _bad(name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"EngineConfig.{name}={value!r} is invalid: {allowed}")
 
 
-def no_hub_message(what: str, value: str) -> str:
-    """Why a hub revision cannot be honoured (the CLI and EngineConfig say the same)."""
-    return (f"{what} {value!r}: paxserve has no model hub, so it cannot fetch a revision; download that revision "
-            f"(e.g. `huggingface-cli download MODEL --revision {value} --local-dir DIR`) and pass its path")
+def no_code_revision_message(what: str, value: str) -> str:
+    """Why a code revision cannot be honoured (the CLI and EngineConfig say the same)."""
+    return (f"{what} {value!r}: paxserve never runs code shipped with a checkpoint, so there is no code revision "
+            "to fetch (--revision picks the weights' revision)")
 
 
 
@@ -162,10 +162,12 @@ class EngineConfig:
     generation_config: str = "auto"
     tokenizer: str | None = None  # a local tokenizer directory or .gguf instead of the model's own
     trust_remote_code: bool = False  # accepted for vLLM compatibility; paxserve never runs remote code
-    # Hub revisions cannot be fetched (no hub access): setting any of these is an error.
+    # A model or tokenizer given as a Hugging Face Hub id (`org/name`, `org/name:FILE.gguf`) is fetched
+    # into the hub cache (or `download_dir`) at this revision (a branch, tag or commit; None: main).
     revision: str | None = None
     tokenizer_revision: str | None = None
-    code_revision: str | None = None
+    download_dir: str | None = None
+    code_revision: str | None = None  # refused: paxserve never runs a checkpoint's code
     # Multi-host (vLLM's --nnodes, --node-rank, --master-addr, --master-port): every rank builds the
     # engine with the same settings; rank 0 schedules, the others run its steps (paxserve/distributed/cluster.py).
     nnodes: int = 1
@@ -254,11 +256,14 @@ class EngineConfig:
             raise _bad("generation_config", self.generation_config,
                        "must be 'auto', 'vllm' or a directory holding generation_config.json")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
-            raise _bad("tokenizer", self.tokenizer, "must be a local tokenizer directory or .gguf file, or None")
-        for name in ("revision", "tokenizer_revision", "code_revision"):
+            raise _bad("tokenizer", self.tokenizer, "must be a local tokenizer directory or .gguf file, a hub id, or "
+                       "None")
+        for name in ("revision", "tokenizer_revision", "download_dir"):
             value = getattr(self, name)
-            if value is not None:
-                raise ValueError(no_hub_message(f"EngineConfig.{name}", value))
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _bad(name, value, "must be a non-empty string or None")
+        if self.code_revision is not None:
+            raise ValueError(no_code_revision_message("EngineConfig.code_revision", self.code_revision))
         try:
             cluster = self.cluster_config()
         except ValueError as e:

@@ -318,8 +318,8 @@ def _add_model_source_flags(parser: argparse.ArgumentParser | argparse._Argument
     """vLLM's model-source flags: --tokenizer, --generation-config, --trust-remote-code, --revision."""
     shown = "" if defaults_in_help else " (default: auto)"
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="load the tokenizer from this local directory (Hugging Face tokenizer files) or .gguf "
-                             "file instead of the model's own; paxserve has no model hub access, so it must exist")
+                        help="load the tokenizer from this local directory (Hugging Face tokenizer files), .gguf "
+                             "file or hub id (org/name) instead of the model's own")
     parser.add_argument("--generation-config", type=_generation_config, default="auto", metavar="auto|vllm|DIR",
                         help="where the sampling defaults of requests come from, as in vLLM. auto: the "
                              "checkpoint's generation_config.json - its temperature, top_p, top_k, min_p and "
@@ -332,20 +332,24 @@ def _add_model_source_flags(parser: argparse.ArgumentParser | argparse._Argument
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM compatibility, with a warning: paxserve never runs code shipped "
                              "with a checkpoint and loads only the architectures it implements")
-    for flag, what in (("--revision", "model"), ("--tokenizer-revision", "tokenizer"), ("--code-revision", "code")):
+    for flag, what in (("--revision", "model"), ("--tokenizer-revision", "tokenizer")):
         parser.add_argument(flag, default=None, metavar="REV",
-                            help=f"not supported: paxserve has no model hub, so giving a {what} revision is an "
-                                 "error at start; download that revision and pass its local path instead")
+                            help=f"the {what}'s revision on the Hugging Face Hub (a branch, tag or commit) when it is "
+                                 "given as a hub id; default: main")
+    parser.add_argument("--download-dir", default=None, metavar="DIR",
+                        help="the Hugging Face Hub cache models given as hub ids are fetched into and read from "
+                             "(default: HF_HUB_CACHE, else $HF_HOME/hub); HF_HUB_OFFLINE=1 reads the cache alone, "
+                             "HF_TOKEN opens gated and private repositories")
+    parser.add_argument("--code-revision", default=None, metavar="REV",
+                        help="refused: paxserve never runs code shipped with a checkpoint")
 
 
 def check_model_source_flags(args: argparse.Namespace) -> None:
-    """Fail before loading anything on flags that ask for the model hub (vLLM's --revision & co)."""
-    from paxserve.config import no_hub_message
+    """Fail before loading anything on flags that cannot be honoured (vLLM's --code-revision)."""
+    from paxserve.config import no_code_revision_message
 
-    for name in ("revision", "tokenizer_revision", "code_revision"):
-        value = getattr(args, name, None)
-        if value is not None:
-            raise ValueError(no_hub_message(f"--{name.replace('_', '-')}", value))
+    if getattr(args, "code_revision", None) is not None:
+        raise ValueError(no_code_revision_message("--code-revision", args.code_revision))
 
 
 def _add_attention_backend(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -400,7 +404,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("paxserve")
     engine = Engine(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-                    attention_backend=args.attention_backend, tokenizer=args.tokenizer,
+                    attention_backend=args.attention_backend, tokenizer=args.tokenizer, revision=args.revision,
+                    tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir,
                     generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
                     tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1, warmup=False,
                     quantization=args.quantization, quantization_check=args.quantization_check,

@@ -124,6 +124,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # model's own file, which load_model returns.
     file_defaults = None if config.generation_config in GENERATION_CONFIG_MODES else \
         resolve_sampling_defaults(config.generation_config, {}, "")
+    config = _resolve_hub_ids(config)
     info = inspect_model(config.model, config.dtype, quantization=config.quantization)
     if channel is not None:
         _check_same_model(channel, f"{info.config!r}|{info.dtype}|{info.quantization!r}")
@@ -208,6 +209,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                         "draft-model" if draft is not None else "EAGLE-3 head", time.perf_counter() - start,
                         runner.warm_decode_widths)
     return parts
+
+
+def _resolve_hub_ids(config: EngineConfig) -> EngineConfig:
+    """The config with a model or tokenizer given as a Hugging Face Hub id replaced by its local
+    files (fetched into the hub cache unless there already); a revision for a local path is an error."""
+    from paxserve.models.hub import is_hub_id, resolve_hub_id
+
+    changes: dict[str, Any] = {}
+    for field, revision_field, tokenizer_only in (("model", "revision", False), ("tokenizer", "tokenizer_revision",
+                                                                                    True)):
+        name, revision = getattr(config, field), getattr(config, revision_field)
+        if is_hub_id(name):
+            changes[field] = resolve_hub_id(name, revision, config.download_dir, field, tokenizer_only)
+            logger.info("%s %s: %s", field, name, changes[field])
+        elif revision is not None:
+            raise ValueError(f"EngineConfig.{revision_field}={revision!r} applies to a {field} given as a Hugging "
+                             f"Face Hub id (org/name); {field}={name!r} is local")
+    return replace(config, **changes) if changes else config
 
 
 def _lora_shape(config: EngineConfig) -> tuple[int, int] | None:

@@ -25,7 +25,7 @@ def test_generate_streams_a_greedy_answer_from_the_default_model() -> None:
 
 def test_generate_rejects_a_missing_model_path_with_a_clear_error(tmp_path, capsys) -> None:
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
-    assert "no model hub access" in capsys.readouterr().err
+    assert "nor a Hugging Face Hub id" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--max-tokens", "0"],

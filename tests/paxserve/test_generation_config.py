@@ -97,22 +97,24 @@ def test_engine_config_fields_are_validated() -> None:
     assert EngineConfig().generation_config == "auto"
     with pytest.raises(ValueError, match="generation_config"):
         EngineConfig(generation_config="")
-    for name in ("revision", "tokenizer_revision", "code_revision"):
-        with pytest.raises(ValueError, match=f"EngineConfig.{name} 'v2': paxserve has no model hub"):
-            EngineConfig(**{name: "v2"})
+    with pytest.raises(ValueError, match="EngineConfig.code_revision 'v2': paxserve never runs code"):
+        EngineConfig(code_revision="v2")
+    assert EngineConfig(model="org/name", revision="v2", tokenizer_revision="main").revision == "v2"
 
 
-def test_cli_flags_parse_and_revisions_are_refused_before_loading(capsys: pytest.CaptureFixture) -> None:
+def test_cli_flags_parse_and_revisions_of_local_models_are_refused_before_loading(
+        capsys: pytest.CaptureFixture) -> None:
     from paxserve.server.cli import build_parser, main
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--tokenizer", "/tok", "--generation-config",
                                       "vllm", "--trust-remote-code"])
     assert (args.tokenizer, args.generation_config, args.trust_remote_code) == ("/tok", "vllm", True)
-    for flag in ("--revision", "--tokenizer-revision", "--code-revision"):
-        assert main(["generate", "--prompt", "x", flag, "refs/pr/1"]) == 2
+    assert main(["generate", "--prompt", "x", "--code-revision", "refs/pr/1"]) == 2
+    assert "--code-revision 'refs/pr/1': paxserve never runs code" in capsys.readouterr().err
+    for flag, field in (("--revision", "model"), ("--tokenizer-revision", "tokenizer")):
+        assert main(["generate", "--prompt", "x", flag, "refs/pr/1"]) == 2  # the bundled model is a local file
         err = capsys.readouterr().err
-        assert f"paxserve: error: {flag} 'refs/pr/1': paxserve has no model hub" in err, err
-        assert "--local-dir" in err
+        assert f"applies to a {field} given as a Hugging Face Hub id" in err, err
 
 
 # ---- an Engine on a tiny random Llama --------------------------------------------------------------
@@ -190,7 +192,7 @@ def test_engine_modes_logs_and_errors(dirs, tmp_path: Path, caplog: pytest.LogCa
             Engine(str(dirs["small"]), **ENGINE_ARGS)
     finally:
         write_json(dirs["small"], saved)
-    with pytest.raises(ValueError, match="no model hub access"):
+    with pytest.raises(ValueError, match="nor a Hugging Face Hub id"):
         Engine(str(dirs["small"]), tokenizer=str(tmp_path / "missing-tok"), **ENGINE_ARGS)
     with pytest.raises(ValueError, match="has 257 tokens but the model's vocabulary has only 128"):
         Engine(str(dirs["small"]), tokenizer=str(dirs["tok"]), **ENGINE_ARGS)
