@@ -226,6 +226,10 @@ def _resolve_hub_ids(config: EngineConfig) -> EngineConfig:
         elif revision is not None:
             raise ValueError(f"EngineConfig.{revision_field}={revision!r} applies to a {field} given as a Hugging "
                              f"Face Hub id (org/name); {field}={name!r} is local")
+    spec = config.speculative_config
+    if spec is not None and is_hub_id(spec.model):  # a draft model or EAGLE-3 head by id (its main revision)
+        changes["speculative_config"] = replace(spec, model=resolve_hub_id(spec.model, None, config.download_dir,
+                                                                           "speculative_config.model"))
     return replace(config, **changes) if changes else config
 
 
