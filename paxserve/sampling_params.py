@@ -100,8 +100,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
                 self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             _fail("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            _fail("seed", self.seed, "must be an integer in [0, 2**63)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**63):
+            # vLLM's range (a signed 64-bit integer); a negative seed is its own stream (mod 2**64).
+            _fail("seed", self.seed, "must be an integer in [-2**63, 2**63)")
         # Token ids' range is the vocabulary's, checked by check_vocab once the model is known.
         if self.logit_bias:
             for token, bias in self.logit_bias.items():

@@ -217,6 +217,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     tools.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="put the <think>...</think> text of reasoning models in the message's `reasoning` "
                             "field: deepseek_r1 (output starts inside <think>), qwen3")
+    net.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
+                          "cache), as vLLM's flag; without it the field is null")
     net.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                      help="serve GET /tokenizer_info (special tokens, chat template, max length), which "
                           "lm-evaluation-harness uses to tokenize through the server")

@@ -74,8 +74,8 @@ async def serve_generation(request: web.Request, state: ServerState, spec: Gener
             state.runs.discard(run)
 
 
-def _usage(run: GenerationRun, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return R.usage(sum(len(p.token_ids) for p in run.prompts), completion_tokens, cached_tokens)
+def _usage(run: GenerationRun, completion_tokens: int, cached_tokens: int, details: bool) -> dict[str, Any]:
+    return R.usage(sum(len(p.token_ids) for p in run.prompts), completion_tokens, cached_tokens, details)
 
 
 # ---- one JSON response ------------------------------------------------------------------------
@@ -113,7 +113,8 @@ async def _collect(state: ServerState, spec: GenerationSpec, run: GenerationRun,
             for idx in sorted(choices)]
     completion_tokens = sum(len(o.token_ids) for o in choices.values())
     model = state.settings.response_model(spec.model)
-    response = R.response(spec.kind, run.id, run.created, model, body, _usage(run, completion_tokens, sum(cached)))
+    response = R.response(spec.kind, run.id, run.created, model, body,
+                          _usage(run, completion_tokens, sum(cached), state.settings.enable_prompt_tokens_details))
     if spec.kind == "chat" and spec.params.prompt_logprobs is not None:
         response["prompt_logprobs"] = R.vllm_prompt_logprobs(prompt_logprobs[0])  # vLLM puts chat's at the top
     return web.json_response(response)
@@ -222,6 +223,10 @@ async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec
     st = _StreamState(spec, run)
     st.decode = _decoder(state)
     prompt_tokens = sum(len(p.token_ids) for p in run.prompts)
+    details = state.settings.enable_prompt_tokens_details
+
+    def usage() -> dict[str, Any]:
+        return R.usage(prompt_tokens, sum(st.tokens), sum(st.cached), details)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
         return R.response(spec.kind, run.id, run.created, model, choices, usage, chunk=True,
@@ -231,18 +236,18 @@ async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec
     try:
         if spec.kind == "chat":  # the first delta of each choice carries the role
             for idx in range(len(st.finished)):
-                await send_event(resp, chunk([R.chat_chunk_choice(idx, {"role": "assistant", "content": ""},
-                                                                  None, None)]))
+                # With continuous usage stats every chunk carries usage, this one too (vLLM's).
+                role = R.chat_chunk_choice(idx, {"role": "assistant", "content": ""}, None, None)
+                await send_event(resp, chunk([role], usage() if spec.continuous_usage else None))
         item = first
         while True:
             for _, choice in _chunks(spec, run, st, *item):
-                usage = R.usage(prompt_tokens, sum(st.tokens), sum(st.cached)) if spec.continuous_usage else None
-                await send_event(resp, chunk([choice], usage))
+                await send_event(resp, chunk([choice], usage() if spec.continuous_usage else None))
             if all(st.finished):
                 break
             item = await run.next()
         if spec.include_usage:
-            await send_event(resp, chunk([], R.usage(prompt_tokens, sum(st.tokens), sum(st.cached))))
+            await send_event(resp, chunk([], usage()))
         await send_done(resp)
     except ConnectionError:  # the client went away mid-stream; run.close() aborts the request
         logger.debug("client disconnected from %s", run.id)

@@ -19,10 +19,12 @@ def _lp(value: float) -> float:
     return value if math.isfinite(value) else _LOGPROB_FLOOR
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, details: bool = True) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache, reported
+    as `prompt_tokens_details` with `details` (vLLM: only under --enable-prompt-tokens-details)."""
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens} if details else None}
 
 
 def _token_str(token_id: int, lp: Logprob) -> str:

@@ -79,6 +79,7 @@ def build_settings(args: argparse.Namespace, model_root: str | None, chat_templa
         body_timeout_s=args.http_body_timeout, log_requests=args.enable_log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         lora_modules=_lora_modules(names[0], args),
     )
 

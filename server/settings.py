@@ -37,6 +37,8 @@ class ServerSettings:
     # GET /tokenizer_info (vLLM's, opt-in there too since it shows the chat template): lets
     # lm-evaluation-harness' local-completions tokenize through the server, with no local files.
     enable_tokenizer_info_endpoint: bool = False
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details (cached prompt tokens).
+    enable_prompt_tokens_details: bool = False
     # LoRA adapters served by name (paxserve.server.lora.LoraModules), with --enable-lora.
     lora_modules: Any = None
 

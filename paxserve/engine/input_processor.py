@@ -247,6 +247,7 @@ class InputProcessor:
         if seed is None:
             with self._seed_lock:  # numpy generators are not thread-safe
                 return int(self._seed_rng.integers(0, 2**63))
+        seed %= 2**64  # a negative seed (vLLM takes any signed 64-bit one) as the same 64 bits
         if n == 1:
             return seed
         # Distinct, reproducible streams for the n samples of one seeded request.

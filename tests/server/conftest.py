@@ -270,10 +270,11 @@ def start_server(args: list[str], **kwargs: Any) -> ServerProcess:
 @pytest.fixture(scope="session")
 def server():
     """The shared server: small limits, served as MODEL_NAME behind API_KEY, --max-logprobs 8, tool
-    calls in the model's own (Hermes) format parsed."""
+    calls in the model's own (Hermes) format parsed, cached prompt tokens in usage."""
     srv = start_server([*SMALL_ARGS, "--max-num-seqs", "32", "--served-model-name", MODEL_NAME,
                         "--api-key", API_KEY, "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-tokenizer-info-endpoint"],
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-tokenizer-info-endpoint",
+                        "--enable-prompt-tokens-details"],
                        api_key=API_KEY)
     yield srv
     srv.stop()

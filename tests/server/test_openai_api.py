@@ -203,6 +203,25 @@ def test_completion_n2_seeded_samples_are_reproducible(client) -> None:
     assert first.usage.prompt_tokens == second.usage.prompt_tokens
 
 
+def test_a_negative_seed_is_accepted_as_vllm_does_and_is_its_own_reproducible_stream(client) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    negative = [client.completions.create(**kwargs, seed=-7).choices[0].text for _ in range(2)]
+    assert negative[0] == negative[1]
+    assert negative[0] != client.completions.create(**kwargs, seed=7).choices[0].text
+
+
+def test_continuous_usage_stats_put_usage_on_every_chat_chunk_the_role_chunk_too(client) -> None:
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is not None for c in chunks), [c.usage for c in chunks]
+    assert chunks[0].usage.completion_tokens == 0 and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0  # the server runs --enable-prompt-tokens-details
+
+
 def test_same_seed_twice_gives_the_same_text(client) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=7, **kwargs).choices[0].text

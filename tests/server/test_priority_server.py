@@ -24,6 +24,8 @@ def test_an_urgent_request_preempts_a_streaming_background_request_which_finishe
         # is done while the background one still has most of its 48 tokens to go.
         urgent = client.completions.create(prompt="Say hi.", extra_body={"priority": -1}, **{**GREEDY, "max_tokens": 4})
         assert urgent.choices[0].finish_reason == "length"
+        # As vLLM without --enable-prompt-tokens-details: no prompt_tokens_details in usage.
+        assert urgent.usage.prompt_tokens_details is None and urgent.usage.prompt_tokens > 0
         assert srv.metric("paxserve:num_preemptions") == 1
         rest = [chunk.choices[0] for chunk in stream if chunk.choices]
         background += "".join(choice.text for choice in rest)

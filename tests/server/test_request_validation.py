@@ -89,7 +89,7 @@ BAD_COMPLETIONS = {
     "n 0": ({"n": 0}, "n"),
     "n above 128": ({"n": 129}, "n"),
     "best_of other than n": ({"best_of": 3}, "best_of"),
-    "seed negative": ({"seed": -1}, "seed"),
+    "seed beyond a signed 64-bit integer": ({"seed": 2**63}, "seed"),
     "logprobs above max": ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
     "logprobs negative": ({"logprobs": -1}, "logprobs"),
     "prompt_logprobs above max": ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
