@@ -115,8 +115,9 @@ async def _collect(state: ServerState, spec: GenerationSpec, run: GenerationRun,
     model = state.settings.response_model(spec.model)
     response = R.response(spec.kind, run.id, run.created, model, body,
                           _usage(run, completion_tokens, sum(cached), state.settings.enable_prompt_tokens_details))
-    if spec.kind == "chat" and spec.params.prompt_logprobs is not None:
-        response["prompt_logprobs"] = R.vllm_prompt_logprobs(prompt_logprobs[0])  # vLLM puts chat's at the top
+    if spec.kind == "chat":  # vLLM puts chat's at the top, null when not asked for
+        response["prompt_logprobs"] = None if spec.params.prompt_logprobs is None else \
+            R.vllm_prompt_logprobs(prompt_logprobs[0])
     return web.json_response(response)
 
 
@@ -145,7 +146,9 @@ def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: Comp
         logprobs = None
     text = (prompt.text or "") + o.text if spec.echo else o.text
     vllm_prompt = R.vllm_prompt_logprobs(prompt_logprobs) if spec.params.prompt_logprobs is not None else None
-    return R.completion_choice(index, text, logprobs, o.finish_reason, o.stop_reason, vllm_prompt)
+    choice = R.completion_choice(index, text, logprobs, o.finish_reason, o.stop_reason, vllm_prompt)
+    choice.setdefault("prompt_logprobs", None)  # vLLM sends the field whether or not it was asked for
+    return choice
 
 
 # ---- an SSE stream ----------------------------------------------------------------------------

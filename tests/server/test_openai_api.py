@@ -222,6 +222,14 @@ def test_continuous_usage_stats_put_usage_on_every_chat_chunk_the_role_chunk_too
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0  # the server runs --enable-prompt-tokens-details
 
 
+def test_prompt_logprobs_is_null_when_not_asked_for_as_vllm_sends_it(server) -> None:
+    completion = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}).json()
+    assert "prompt_logprobs" in completion["choices"][0] and completion["choices"][0]["prompt_logprobs"] is None
+    chat = server.post("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 2,
+                                                "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None
+
+
 def test_same_seed_twice_gives_the_same_text(client) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=7, **kwargs).choices[0].text
