@@ -176,7 +176,8 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, or any other: as vLLM, a custom role goes to the chat template as it is.
+    role: Annotated[StrictStr, Field(min_length=1)]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -230,6 +230,15 @@ def test_prompt_logprobs_is_null_when_not_asked_for_as_vllm_sends_it(server) -> 
     assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None
 
 
+def test_a_custom_role_goes_to_the_chat_template_as_vllm_does(server, client) -> None:
+    messages = [{"role": "narrator", "content": "The night was dark."}, {"role": "user", "content": "Go on."}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3)
+    assert out.choices[0].finish_reason == "length"
+    tokens = server.post("/tokenize", {"model": MODEL_NAME, "messages": messages}).json()["tokens"]
+    text = server.post("/detokenize", {"model": MODEL_NAME, "tokens": tokens}).json()["prompt"]
+    assert "<|im_start|>narrator\nThe night was dark." in text, text
+
+
 def test_same_seed_twice_gives_the_same_text(client) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=7, **kwargs).choices[0].text

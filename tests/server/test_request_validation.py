@@ -156,7 +156,7 @@ BAD_CHATS = {
     "empty messages": ({"messages": []}, "messages"),
     "messages not a list": ({"messages": "Hi"}, "messages"),
     "message not an object": ({"messages": [1]}, "messages"),
-    "unknown role": ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
+    "empty role": ({"messages": [{"role": "", "content": "x"}]}, "messages"),
     "a user message without content": ({"messages": [{"role": "user"}]}, "messages"),
     "a content part that is not text": ({"messages": [{"role": "user", "content": [{"type": "nope"}]}]}, "messages"),
     "an image content part": ({"messages": [{"role": "user", "content": [
