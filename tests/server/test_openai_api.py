@@ -239,6 +239,18 @@ def test_a_custom_role_goes_to_the_chat_template_as_vllm_does(server, client) ->
     assert "<|im_start|>narrator\nThe night was dark." in text, text
 
 
+def test_a_named_tool_call_cut_short_by_max_tokens_is_no_call_as_vllm_and_openai_answer(client) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    cut = client.chat.completions.create(max_tokens=2, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.tool_calls
+    whole = client.chat.completions.create(max_tokens=40, **kwargs).choices[0]
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
+    assert "city" in json.loads(whole.message.tool_calls[0].function.arguments)
+
+
 def test_same_seed_twice_gives_the_same_text(client) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=7, **kwargs).choices[0].text

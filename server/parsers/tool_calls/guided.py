@@ -8,6 +8,7 @@ so no model-specific markers are involved:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from paxserve.server.parsers.tool_calls.base import (ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream,
@@ -59,6 +60,12 @@ class NamedToolParser(ToolParser):
         return NamedCallStream(self.name)
 
     def extract(self, text: str) -> ExtractedToolCalls:
+        """The call, or none when the arguments were cut short (max_tokens): a truncated call is not a
+        call (vLLM and OpenAI send no tool_calls then; the text stays the content)."""
+        try:
+            json.loads(text)
+        except ValueError:
+            return ExtractedToolCalls(text, [])
         return ExtractedToolCalls(None, [ToolCall(self.name, text.strip())])
 
 
