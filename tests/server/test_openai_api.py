@@ -251,6 +251,19 @@ def test_a_named_tool_call_cut_short_by_max_tokens_is_no_call_as_vllm_and_openai
     assert "city" in json.loads(whole.message.tool_calls[0].function.arguments)
 
 
+def test_tool_choice_required_takes_parameters_that_use_refs_into_their_defs(client) -> None:
+    """vLLM's own case: a tool whose parameters `$ref` their `$defs` (as pydantic writes them)."""
+    params = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+              "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                  "required": ["city"]}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                         tools=[tool], tool_choice="required", max_tokens=60).choices[0]
+    assert out.finish_reason == "tool_calls"
+    call = out.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["where"]["city"], str)
+
+
 def test_same_seed_twice_gives_the_same_text(client) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=7, **kwargs).choices[0].text

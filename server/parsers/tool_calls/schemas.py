@@ -25,18 +25,48 @@ def named_tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def required_tools_schema(tools: list[dict[str, Any]], parallel_tool_calls: bool) -> dict[str, Any]:
-    """An array of one or more `{"name", "parameters"}` calls to any of tools (tool_choice="required")."""
-    variants = [{
-        "type": "object",
-        "properties": {"name": {"const": tool["function"]["name"]}, "parameters": _parameters(tool)},
-        "required": ["name", "parameters"],
-        "additionalProperties": False,
-    } for tool in tools]
+    """An array of one or more `{"name", "parameters"}` calls to any of tools (tool_choice="required").
+    A tool's parameters that use `$ref` (into its own `$defs`, or itself) sit under the root's
+    `$defs` with their pointers moved there: nested in the array, "#/$defs/X" would point nowhere."""
+    defs: dict[str, Any] = {}
+    variants = []
+    for i, tool in enumerate(tools):
+        params = _parameters(tool)
+        if _has_ref(params):
+            defs[f"tool{i}"] = _move_refs(params, f"#/$defs/tool{i}")
+            params = {"$ref": f"#/$defs/tool{i}"}
+        variants.append({
+            "type": "object",
+            "properties": {"name": {"const": tool["function"]["name"]}, "parameters": params},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        })
     schema: dict[str, Any] = {"type": "array", "minItems": 1}
+    if defs:
+        schema["$defs"] = defs
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     schema["items"] = {"anyOf": variants}
     return schema
+
+
+def _has_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return isinstance(node.get("$ref"), str) or any(_has_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_ref(v) for v in node)
+
+
+def _move_refs(node: Any, root: str) -> Any:
+    """`node` with every local pointer ("#", "#/...") now relative to `root`."""
+    if isinstance(node, dict):
+        out = {k: _move_refs(v, root) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = root + ref[1:]
+        return out
+    if isinstance(node, list):
+        return [_move_refs(v, root) for v in node]
+    return node
 
 
 def validate_tools(value: Any) -> list[dict[str, Any]]:
