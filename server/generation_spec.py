@@ -45,6 +45,7 @@ class GenerationSpec:
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     lora_request: Any = None  # the LoRA adapter `model` names (paxserve.LoRARequest), if it names one
     priority: int = 0  # the request's place under --scheduling-policy priority (lower first)
+    return_token_ids: bool = False  # vLLM's: choices carry `token_ids` (and the prompt's `prompt_token_ids`)
     structured_param: str | None = None  # the field the output constraint came from (response_format, ...)
     max_tokens_param: str = "max_tokens"  # the field the client used (chat may say max_completion_tokens)
 
@@ -149,6 +150,7 @@ def _sampling_params(req: SamplingFields, settings: ServerSettings, *, logprobs:
 
 def _stream_flags(req: SamplingFields, spec: GenerationSpec) -> GenerationSpec:
     spec.stream = bool(req.stream)
+    spec.return_token_ids = bool(req.return_token_ids)
     if req.stream_options is not None:
         spec.include_usage = bool(req.stream_options.include_usage)
         spec.continuous_usage = bool(req.stream_options.continuous_usage_stats)

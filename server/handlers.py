@@ -118,6 +118,8 @@ async def _collect(state: ServerState, spec: GenerationSpec, run: GenerationRun,
     if spec.kind == "chat":  # vLLM puts chat's at the top, null when not asked for
         response["prompt_logprobs"] = None if spec.params.prompt_logprobs is None else \
             R.vllm_prompt_logprobs(prompt_logprobs[0])
+        if spec.return_token_ids:
+            response["prompt_token_ids"] = list(run.prompts[0].token_ids)
     return web.json_response(response)
 
 
@@ -138,7 +140,10 @@ def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: Comp
     want_logprobs = spec.logprobs is not None and o.logprobs is not None
     if spec.kind == "chat":
         logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs) if want_logprobs else None
-        return R.chat_choice(index, spec.output.message(o.text), logprobs, o.finish_reason, o.stop_reason)
+        choice = R.chat_choice(index, spec.output.message(o.text), logprobs, o.finish_reason, o.stop_reason)
+        if spec.return_token_ids:
+            choice["token_ids"] = list(o.token_ids)
+        return choice
     if want_logprobs:
         logprobs = _echo_logprobs(spec, prompt, prompt_logprobs, o, decode) if spec.echo else \
             R.completion_logprobs(o.logprobs, o.token_ids, 0)
@@ -148,6 +153,8 @@ def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: Comp
     vllm_prompt = R.vllm_prompt_logprobs(prompt_logprobs) if spec.params.prompt_logprobs is not None else None
     choice = R.completion_choice(index, text, logprobs, o.finish_reason, o.stop_reason, vllm_prompt)
     choice.setdefault("prompt_logprobs", None)  # vLLM sends the field whether or not it was asked for
+    if spec.return_token_ids:
+        choice["prompt_token_ids"], choice["token_ids"] = list(prompt.token_ids), list(o.token_ids)
     return choice
 
 
@@ -163,6 +170,7 @@ class _StreamState:
         self.finished = [False] * num
         self.echo_pending = [spec.echo] * num
         self.prompt_logprobs_sent = [False] * num
+        self.prompt_ids_sent = [False] * num  # return_token_ids: a completion choice's first chunk has them
         self.decode: Callable[[int], str] = lambda t: f"token_id:{t}"  # the server's tokenizer, set by _stream
         self.cached = [0] * len(run.prompts)
         # Chat with a reasoning or tool-call parser: each choice's text goes through its own stream.
@@ -194,7 +202,7 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
                 logprobs = _echo_logprobs(spec, run.prompts[i], out.prompt_logprobs, o, st.decode)
             else:
                 logprobs = R.completion_logprobs(o.logprobs, o.token_ids, st.text_sent[idx])
-        if not text and logprobs is None and o.finish_reason is None:
+        if not text and logprobs is None and o.finish_reason is None and not (spec.return_token_ids and o.token_ids):
             continue
         st.text_sent[idx] += len(text)
         st.finished[idx] = o.finish_reason is not None
@@ -205,7 +213,7 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
                 delta = parsed.feed(text, final=o.finish_reason is not None)
                 if parsed.made_calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
-                if not delta and logprobs is None and finish_reason is None:
+                if not delta and logprobs is None and finish_reason is None and not spec.return_token_ids:
                     continue  # held back: it may be the start of a tool call or a tag
             else:
                 delta = {"content": text} if text else {}
@@ -216,6 +224,11 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
                 vllm_prompt = R.vllm_prompt_logprobs(out.prompt_logprobs)
                 st.prompt_logprobs_sent[idx] = True
             choice = R.completion_choice(idx, text, logprobs, o.finish_reason, o.stop_reason, vllm_prompt)
+            if spec.return_token_ids and not st.prompt_ids_sent[idx]:
+                choice["prompt_token_ids"] = list(run.prompts[i].token_ids)
+                st.prompt_ids_sent[idx] = True
+        if spec.return_token_ids:
+            choice["token_ids"] = list(o.token_ids)
         chunks.append((idx, choice))
     return chunks
 
@@ -241,7 +254,10 @@ async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec
             for idx in range(len(st.finished)):
                 # With continuous usage stats every chunk carries usage, this one too (vLLM's).
                 role = R.chat_chunk_choice(idx, {"role": "assistant", "content": ""}, None, None)
-                await send_event(resp, chunk([role], usage() if spec.continuous_usage else None))
+                opening = chunk([role], usage() if spec.continuous_usage else None)
+                if spec.return_token_ids and idx == 0:  # vLLM's: the prompt's ids on the first chunk
+                    opening["prompt_token_ids"] = list(run.prompts[0].token_ids)
+                await send_event(resp, opening)
         item = first
         while True:
             for _, choice in _chunks(spec, run, st, *item):

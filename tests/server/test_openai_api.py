@@ -264,6 +264,23 @@ def test_tool_choice_required_takes_parameters_that_use_refs_into_their_defs(cli
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["where"]["city"], str)
 
 
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids_streamed_or_not(server, client) -> None:
+    ids = server.post("/tokenize", {"model": MODEL_NAME, "prompt": "The capital of France is"}).json()["tokens"]
+    kwargs = dict(model=MODEL_NAME, prompt="The capital of France is", max_tokens=8, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = client.completions.create(**kwargs).choices[0]
+    assert choice.model_extra["prompt_token_ids"] == ids and len(choice.model_extra["token_ids"]) == 8
+    text = server.post("/detokenize", {"model": MODEL_NAME, "tokens": choice.model_extra["token_ids"]}).json()
+    assert text["prompt"] == choice.text
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert chunks[0].model_extra["prompt_token_ids"] == ids
+    assert [t for c in chunks for t in c.model_extra["token_ids"]] == choice.model_extra["token_ids"]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          extra_body={"return_token_ids": True})
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+
+
 def test_same_seed_twice_gives_the_same_text(client) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=7, **kwargs).choices[0].text
