@@ -70,6 +70,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The output must match this (a JSON schema, a regex, a choice, a grammar): guided decoding.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: only these tokens may be sampled (the others' logits are masked before anything else).
+    allowed_token_ids: list[int] | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -113,6 +115,9 @@ class SamplingParams:
                     _fail("logit_bias", self.logit_bias, "values must be in [-100, 100]")
         if self.stop_token_ids and any(not isinstance(t, int) for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "must be integer token ids")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in self.allowed_token_ids)):
+            _fail("allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of integer token ids")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             _fail("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
@@ -130,7 +135,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary (checked when the model is known)."""
-        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids or [])):
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids or []),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 _fail(name, bad[:5], f"token ids must be in the vocabulary [0, {vocab_size})")

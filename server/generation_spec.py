@@ -141,6 +141,7 @@ def _sampling_params(req: SamplingFields, settings: ServerSettings, *, logprobs:
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             logit_bias=req.logit_bias_ids(), stop=req.stop or None, stop_token_ids=req.stop_token_ids or None,
+            allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
             ignore_eos=bool(req.ignore_eos), max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
             logprobs=logprobs, include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=skip_special_tokens, structured_outputs=structured, prompt_logprobs=prompt_logprobs)

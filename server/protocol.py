@@ -74,6 +74,7 @@ class SamplingFields(_Body):
     cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = None
     priority: Int | None = None  # vLLM's: lower first, under --scheduling-policy priority
     return_token_ids: StrictBool | None = None  # vLLM's: the prompt's and the output's token ids too
+    allowed_token_ids: TokenIds | None = None  # vLLM's: sample only these
     # Output constraints: their shapes are read by server/structured.py, which names its field.
     response_format: Any = None
     structured_outputs: Any = None

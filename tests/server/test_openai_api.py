@@ -281,6 +281,16 @@ def test_return_token_ids_gives_the_prompts_and_the_outputs_ids_streamed_or_not(
     assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
 
 
+def test_allowed_token_ids_limits_what_is_sampled_greedy_or_not(client) -> None:
+    allowed = [28, 253, 314, 1000]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        out = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=6,
+                                        extra_body={"allowed_token_ids": allowed, "return_token_ids": True,
+                                                    "ignore_eos": True}, **sampling)
+        ids = out.choices[0].model_extra["token_ids"]
+        assert len(ids) == 6 and set(ids) <= set(allowed), ids
+
+
 def test_same_seed_twice_gives_the_same_text(client) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=7, **kwargs).choices[0].text

@@ -114,6 +114,8 @@ BAD_COMPLETIONS = {
     "empty cache_salt": ({"cache_salt": ""}, "cache_salt"),
     "priority without --scheduling-policy priority": ({"priority": 3}, "priority"),
     "priority not an integer": ({"priority": 1.5}, "priority"),
+    "allowed_token_ids empty": ({"allowed_token_ids": []}, "allowed_token_ids"),
+    "allowed_token_ids beyond vocab": ({"allowed_token_ids": [5, VOCAB_SIZE]}, "allowed_token_ids"),
     "a bad JSON schema": ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
                           "response_format"),
     "two output constraints": ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),

@@ -222,9 +222,10 @@ def suppressed_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tu
 
 
 def needs_state(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether a request needs a row of the sampler state: penalties, a logit bias, or ids that
-    min_tokens holds back."""
-    return params.uses_penalties or bool(params.logit_bias) or bool(suppressed_ids(params, eos_token_ids))
+    """Whether a request needs a row of the sampler state: penalties, a logit bias (allowed_token_ids
+    is one: -inf for every other token), or ids that min_tokens holds back."""
+    return (params.uses_penalties or bool(params.logit_bias) or params.allowed_token_ids is not None
+            or bool(suppressed_ids(params, eos_token_ids)))
 
 
 def build_state_writes(rows: list[tuple[int, SamplingRow]], num_state_rows: int, vocab_size: int) -> StateWrites:
@@ -246,8 +247,11 @@ def build_state_writes(rows: list[tuple[int, SamplingRow]], num_state_rows: int,
             out.counts[i] = np.bincount(row.output_token_ids, minlength=vocab_size)
         if row.params.uses_penalties:
             out.prompt_mask[i] = token_bits(row.prompt_token_ids, vocab_size)
+        if row.params.allowed_token_ids is not None:
+            out.bias[i] = -np.inf
+            out.bias[i, row.params.allowed_token_ids] = 0.0
         for token, value in (row.params.logit_bias or {}).items():
-            out.bias[i, token] = value
+            out.bias[i, token] += value
         held = suppressed_ids(row.params, row.eos_token_ids)
         if held:
             out.suppress_mask[i] = token_bits(held, vocab_size)
