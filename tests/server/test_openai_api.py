@@ -241,12 +241,13 @@ def test_a_custom_role_goes_to_the_chat_template_as_vllm_does(server, client) ->
 
 def test_a_named_tool_call_cut_short_by_max_tokens_is_no_call_as_vllm_and_openai_answer(client) -> None:
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}}
     kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
     cut = client.chat.completions.create(max_tokens=2, **kwargs).choices[0]
     assert cut.finish_reason == "length" and not cut.message.tool_calls
-    whole = client.chat.completions.create(max_tokens=40, **kwargs).choices[0]
+    whole = client.chat.completions.create(max_tokens=60, **kwargs).choices[0]
     assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
     assert "city" in json.loads(whole.message.tool_calls[0].function.arguments)
 
@@ -258,7 +259,8 @@ def test_tool_choice_required_takes_parameters_that_use_refs_into_their_defs(cli
                                   "required": ["city"]}}}
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
     out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                         tools=[tool], tool_choice="required", max_tokens=60).choices[0]
+                                         tools=[tool], tool_choice="required", max_tokens=80,
+                                         temperature=0).choices[0]
     assert out.finish_reason == "tool_calls"
     call = out.message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["where"]["city"], str)
