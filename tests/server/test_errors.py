@@ -36,7 +36,7 @@ def test_malformed_or_non_object_json_is_400(server, path: str, raw: bytes) -> N
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, VOCAB_SIZE]}, "prompt"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "bot", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "top_p": 0}, "top_p"),
 ], ids=["type", "token id", "role", "renamed field", "streamed"])
