@@ -85,14 +85,24 @@ class LoraModules:
     parents: dict[str, str] = field(default_factory=dict)  # `base_model_name` given with --lora-modules
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
-    def add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
-        """A new adapter under `name`, with an id never used before on this server (an unloaded
-        adapter's id is never reused, so no device slot can hold a stale one)."""
-        request = LoRARequest(name, next(self._ids), path)
-        self.adapters[name] = request
-        if parent is not None:
-            self.parents[name] = parent
-        return request
+    def new(self, name: str, path: str) -> LoRARequest:
+        """An adapter under `name` with an id never used before on this server (an unloaded adapter's
+        id is never reused, so no device slot can hold a stale one); not served until `serve`."""
+        return LoRARequest(name, next(self._ids), path)
+
+    def serve(self, lora: LoRARequest, parent: str | None = None) -> LoRARequest | None:
+        """Serve `lora` under its name; the adapter it replaces, if any."""
+        held = self.adapters.get(lora.lora_name)
+        self.adapters[lora.lora_name] = lora
+        if parent is None:
+            self.parents.pop(lora.lora_name, None)
+        else:
+            self.parents[lora.lora_name] = parent
+        return held
+
+    def remove(self, name: str) -> None:
+        del self.adapters[name]
+        self.parents.pop(name, None)
 
     def parent(self, name: str) -> str:
         """What /v1/models shows as an adapter's `parent`: its stated base, else the served model."""
@@ -128,10 +138,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     held = modules.adapters.get(body.lora_name)
     if held is not None and not body.load_inplace:
         raise ProtocolError(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
-    candidate = LoRARequest(body.lora_name, next(modules._ids), body.lora_path)
+    candidate = modules.new(body.lora_name, body.lora_path)
     await _read(state, candidate)
-    modules.adapters[body.lora_name] = candidate
-    modules.parents.pop(body.lora_name, None)
+    held = modules.serve(candidate)  # another load in place may have finished meanwhile
     if held is not None:
         state.async_engine.input_processor.lora.forget(held.lora_int_id)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -148,8 +157,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     held = modules.adapters.get(body.lora_name)
     if held is None or (body.lora_int_id is not None and body.lora_int_id != held.lora_int_id):
         raise ProtocolError(f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name", status=404)
-    del modules.adapters[body.lora_name]
-    modules.parents.pop(body.lora_name, None)
+    modules.remove(body.lora_name)
     state.async_engine.input_processor.lora.forget(held.lora_int_id)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -145,7 +145,8 @@ def run_server(args: argparse.Namespace) -> int:
     if settings.lora_modules is not None:  # the served names may be the model's hub id, as vLLM users give it
         engine.input_processor.lora.base_models = (args.model, *settings.served_model_names)
     for module in args.lora_modules or ():
-        lora = settings.lora_modules.add(module.name, module.path, module.base_model_name)
+        lora = settings.lora_modules.new(module.name, module.path)
+        settings.lora_modules.serve(lora, module.base_model_name)
         try:
             engine.add_lora(lora)  # read and checked now: an adapter that cannot serve stops the start
         except ValueError as e:

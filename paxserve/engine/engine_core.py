@@ -108,8 +108,9 @@ class EngineCore:
                                           overlap=async_scheduling)
             self.spec_stats = self._speculator.stats
         self._verify_programs: dict = {}
-        # LoRA: the adapter (models/lora.py's LoraAdapter) each id named last.
-        self._lora_adapters: dict[int, Any] = {}
+        # LoRA: the directory each adapter id named last (only the path: the weights stay in the
+        # loader's bounded host cache and on the requests that use them).
+        self._lora_paths: dict[int, Any] = {}
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -152,13 +153,13 @@ class EngineCore:
         if slots is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
         lora_id = lora_request.lora_int_id
-        held = self._lora_adapters.get(lora_id)
-        if held is not None and held.path != adapter.path:
+        held = self._lora_paths.get(lora_id)
+        if held is not None and held != adapter.path:
             if any(r.lora_int_id == lora_id for r in self.scheduler.requests.values()):
                 raise ValueError(f"LoRA id {lora_id} was read again ({lora_request.lora_name!r}) while requests still "
                                  "run with its earlier weights: give a changed adapter a new id")
             slots.release(lora_id)
-        self._lora_adapters[lora_id] = adapter
+        self._lora_paths[lora_id] = adapter.path
 
     def abort_request(self, request_id: str) -> None:
         """End every sample of the request now and free its blocks. Unknown ids are ignored."""
