@@ -3,29 +3,33 @@
     app = create_app(async_engine, settings)
     web.run_app(app, handler_cancellation=True)  # serve.run_server does this with signals and logs
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (GET / DELETE
+/v1/responses/{id} with the store), POST /v1/messages and /v1/messages/count_tokens (Anthropic's),
+GET /v1/models[/{model}], GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, and GET /tokenizer_info when
 enabled.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import paxserve
 from paxserve.engine.client import EngineClient
+from paxserve.server.auth import auth_middleware
 from paxserve.server.errors import ProtocolError, error_middleware, from_value_error
 from paxserve.server.generation_spec import check_model, check_request_chat_template, template_messages
 from paxserve.server.handlers import chat_completions, completions
 from paxserve.server.lora import add_routes as add_lora_routes
+from paxserve.server.messages_handler import add_routes as add_messages_routes
+from paxserve.server.response_store import ResponseStore
+from paxserve.server.responses_handler import add_routes as add_responses_routes
 from paxserve.server.metrics import ServerMetrics
 from paxserve.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, parse_body
 from paxserve.server.request_body import read_json
@@ -53,9 +57,10 @@ def create_app(async_engine: EngineClient, settings: ServerSettings | None = Non
     metrics = ServerMetrics(settings.model_name, settings.max_model_len, info)
     if settings.lora_modules is not None:
         settings.lora_modules.base_model_name = settings.model_name
-    app = web.Application(middlewares=[error_middleware, _auth_middleware],
+    app = web.Application(middlewares=[error_middleware, auth_middleware],
                           client_max_size=settings.client_max_size)
-    app[STATE] = ServerState(async_engine, settings, metrics, created=int(time.time()))
+    responses = ResponseStore(settings.response_store_size) if settings.enable_response_store else None
+    app[STATE] = ServerState(async_engine, settings, metrics, created=int(time.time()), responses=responses)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
@@ -65,33 +70,13 @@ def create_app(async_engine: EngineClient, settings: ServerSettings | None = Non
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    add_responses_routes(app)
+    add_messages_routes(app)
     add_lora_routes(app, settings.lora_modules)
     if settings.enable_tokenizer_info_endpoint:
         app.router.add_get("/tokenizer_info", tokenizer_info)
     app.on_shutdown.append(_abort_in_flight)
     return app
-
-
-@web.middleware
-async def _auth_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                           ) -> web.StreamResponse:
-    key = request.app[STATE].settings.api_key
-    if key and request.path.startswith("/v1"):
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not _same_secret(token.strip(), key):
-            raise ProtocolError("Unauthorized: missing or invalid API key; send `Authorization: Bearer <key>`.",
-                                status=401)
-    return await handler(request)
-
-
-def _same_secret(given: str, key: str) -> bool:
-    """Constant-time comparison that takes any header text: aiohttp hands non-ASCII header bytes
-    over as surrogate escapes, which `str.encode()` alone would refuse (a 400 instead of a 401)."""
-    def digest(text: str) -> bytes:
-        return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
-
-    return hmac.compare_digest(digest(given), digest(key))
 
 
 async def _abort_in_flight(app: web.Application) -> None:

@@ -220,6 +220,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
                           "cache), as vLLM's flag; without it the field is null")
+    net.add_argument("--enable-response-store", action="store_true",
+                     help="keep finished /v1/responses answers in memory (per API key) for `previous_response_id` "
+                          "and GET /v1/responses/{id}; off by default, as vLLM's")
+    net.add_argument("--response-store-size", type=_positive_int, default=1000,
+                     help="most responses the store keeps; the least recently used goes first")
     net.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                      help="serve GET /tokenizer_info (special tokens, chat template, max length), which "
                           "lm-evaluation-harness uses to tokenize through the server")

@@ -1,7 +1,8 @@
 """The OpenAI error envelope and the middleware that turns every failure into it.
 
 Every error the server sends, unknown paths and wrong methods included, is
-`{"error": {"message", "type", "param", "code"}}` with `code` = the HTTP status (as vLLM does).
+`{"error": {"message", "type", "param", "code"}}` with `code` = the HTTP status (as vLLM does);
+under /v1/messages it is Anthropic's `{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -70,8 +71,24 @@ def error_envelope(message: str, type: str, param: str | None, code: int | str |
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(err: ProtocolError) -> web.Response:
-    return web.json_response(err.envelope(), status=err.status, headers=err.headers, dumps=json.dumps)
+# HTTP status -> Anthropic's error type.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         529: "overloaded_error"}
+
+
+def anthropic_envelope(err: ProtocolError) -> dict[str, Any]:
+    kind = ANTHROPIC_ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def is_anthropic(request: web.Request) -> bool:
+    return request.path.startswith("/v1/messages")
+
+
+def error_response(err: ProtocolError, request: web.Request | None = None) -> web.Response:
+    body = anthropic_envelope(err) if request is not None and is_anthropic(request) else err.envelope()
+    return web.json_response(body, status=err.status, headers=err.headers, dumps=json.dumps)
 
 
 def from_value_error(e: ValueError, default_param: str | None = None,
@@ -104,16 +121,16 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     try:
         return await handler(request)
     except ProtocolError as e:
-        return error_response(e)
+        return error_response(e, request)
     except web.HTTPException as e:
         if e.status < 400:  # redirects and the like pass through
             raise
-        return error_response(from_http_exception(e, request))
+        return error_response(from_http_exception(e, request), request)
     except ValueError as e:
-        return error_response(from_value_error(e))
+        return error_response(from_value_error(e), request)
     except Exception:  # noqa: BLE001 - the server stays up; the client gets a 500 envelope
         logger.exception("unexpected error while serving %s %s", request.method, request.path)
-        return error_response(internal_error())
+        return error_response(internal_error(), request)
 
 
 def engine_stopped() -> ProtocolError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -47,14 +47,24 @@ async def _process(state: ServerState, spec: GenerationSpec, run_id: str, arriva
         raise engine_failure(state.async_engine, e) from None
 
 
-async def serve_generation(request: web.Request, state: ServerState, spec: GenerationSpec,
-                           arrival: float) -> web.StreamResponse:
+Responder = Callable[[GenerationRun, tuple[int, RequestOutput]], Awaitable[web.StreamResponse]]
+
+
+async def serve_generation(request: web.Request, state: ServerState, spec: GenerationSpec, arrival: float,
+                           respond: Responder | None = None, run_id: str | None = None,
+                           rename: Callable[[ProtocolError], ProtocolError] | None = None) -> web.StreamResponse:
+    """Admit, process and run `spec`; answer as a chat completion or completion, or through `respond`
+    (the Responses and Messages APIs), which gets the run and its first output. `rename` maps errors
+    raised before the first output to the endpoint's own field names."""
     state.check_serving()
     state.admit(spec.num_seqs)
     run: GenerationRun | None = None
     try:
-        run_id = new_run_id("chatcmpl" if spec.kind == "chat" else "cmpl")
-        prompts = await _process(state, spec, run_id, arrival)
+        run_id = run_id or new_run_id("chatcmpl" if spec.kind == "chat" else "cmpl")
+        try:
+            prompts = await _process(state, spec, run_id, arrival)
+        except ProtocolError as e:
+            raise rename(e) if rename is not None else e from None
         run = GenerationRun(state.async_engine, state.metrics, run_id, prompts, spec.params, arrival)
         if state.settings.log_requests:
             logger.info("request %s: %s prompt tokens, %s", run.id, [len(p.token_ids) for p in prompts], spec.params)
@@ -64,6 +74,10 @@ async def serve_generation(request: web.Request, state: ServerState, spec: Gener
             first = await run.next()  # errors before the first output still get their own HTTP status
         except ServerShutdown as e:
             raise ProtocolError(str(e), status=503) from None
+        except ProtocolError as e:
+            raise rename(e) if rename is not None else e from None
+        if respond is not None:
+            return await respond(run, first)
         if spec.stream:
             return await _stream(request, state, spec, run, first)
         return await _collect(state, spec, run, first)

@@ -39,6 +39,9 @@ class ServerSettings:
     enable_tokenizer_info_endpoint: bool = False
     # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details (cached prompt tokens).
     enable_prompt_tokens_details: bool = False
+    # The Responses API's store (previous_response_id, GET /v1/responses/{id}): off unless asked.
+    enable_response_store: bool = False
+    response_store_size: int = 1000
     # LoRA adapters served by name (paxserve.server.lora.LoraModules), with --enable-lora.
     lora_modules: Any = None
 
@@ -53,6 +56,8 @@ class ServerSettings:
             raise ValueError(f"ServerSettings.max_stop_strings={self.max_stop_strings} must be >= 0")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+        if self.response_store_size < 1:
+            raise ValueError(f"ServerSettings.response_store_size={self.response_store_size} must be >= 1")
         if not self.body_timeout_s > 0:
             raise ValueError(f"ServerSettings.body_timeout_s={self.body_timeout_s} must be > 0 seconds")
 

@@ -9,6 +9,7 @@ from paxserve.engine.client import EngineClient
 from paxserve.server.errors import ProtocolError, engine_stopped
 from paxserve.server.generation import GenerationRun
 from paxserve.server.metrics import ServerMetrics
+from paxserve.server.response_store import ResponseStore
 from paxserve.server.settings import ServerSettings
 
 
@@ -21,6 +22,7 @@ class ServerState:
     runs: set[GenerationRun] = field(default_factory=set)
     num_inflight_seqs: int = 0  # sequences (prompts x n) accepted and not finished
     shutting_down: bool = False  # draining or stopping: new work is refused with 503
+    responses: ResponseStore | None = None  # the Responses API's store, with --enable-response-store
 
     def check_serving(self) -> None:
         if not self.async_engine.is_alive:

@@ -40,3 +40,9 @@ async def send_error(resp: web.StreamResponse, err: ProtocolError) -> None:
     """An error after the stream started: an error event, then [DONE]."""
     await send_event(resp, err.envelope())
     await send_done(resp)
+
+
+async def send_typed_event(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    """An event named by its `type` (`event: <type>` then `data: {json}`), as the Responses API and
+    Anthropic's Messages API stream; neither ends with [DONE]."""
+    await resp.write(f"event: {obj['type']}\ndata: {dumps(obj)}\n\n".encode("utf-8"))

@@ -270,11 +270,12 @@ def start_server(args: list[str], **kwargs: Any) -> ServerProcess:
 @pytest.fixture(scope="session")
 def server():
     """The shared server: small limits, served as MODEL_NAME behind API_KEY, --max-logprobs 8, tool
-    calls in the model's own (Hermes) format parsed, cached prompt tokens in usage."""
+    calls in the model's own (Hermes) format parsed, cached prompt tokens in usage, the Responses
+    API's store on."""
     srv = start_server([*SMALL_ARGS, "--max-num-seqs", "32", "--served-model-name", MODEL_NAME,
                         "--api-key", API_KEY, "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-tokenizer-info-endpoint",
-                        "--enable-prompt-tokens-details"],
+                        "--enable-prompt-tokens-details", "--enable-response-store"],
                        api_key=API_KEY)
     yield srv
     srv.stop()

@@ -146,6 +146,35 @@ def test_client_disconnecting_mid_stream_aborts_and_frees_its_blocks(server) -> 
     assert server.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage.completion_tokens
 
 
+STORY = "Write a very long story about a dragon and a knight, with many chapters."
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": STORY, "max_output_tokens": 400}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": STORY}], "max_tokens": 400}),
+], ids=["responses", "messages"])
+def test_disconnecting_from_a_responses_or_messages_stream_frees_its_blocks(server, path, body) -> None:
+    server.wait_idle()
+    body = {"model": MODEL_NAME, "temperature": 0, "stream": True, **body}
+
+    async def stream_then_drop() -> tuple[float, float]:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"{server.url}{path}", json=body, headers=server.auth_headers())
+            assert resp.status == 200, await resp.text()
+            deltas = 0
+            async for line in resp.content:
+                deltas += line.startswith(b"data: ") and b"delta" in line
+                if deltas >= 4:
+                    break
+            busy = await asyncio.to_thread(server.metric, RUNNING), await asyncio.to_thread(server.metric, KV_USAGE)
+            resp.close()
+            return busy
+
+    running, kv = asyncio.run(stream_then_drop())
+    assert running == 1 and kv > 0, (running, kv)
+    wait_freed(server)
+
+
 def test_non_streaming_client_timing_out_aborts_and_frees_its_blocks(server) -> None:
     server.wait_idle()
     errors: list[BaseException] = []
