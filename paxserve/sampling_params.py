@@ -138,5 +138,6 @@ class SamplingParams:
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids or []),
                           ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                _fail(name, bad[:5], f"token ids must be in the vocabulary [0, {vocab_size})")
+            if bad:  # vLLM's wording, which clients match
+                raise RequestError(f"token_id(s) {bad[:5]} in {name} contain out-of-vocab token ids. Vocabulary "
+                                   f"size: {vocab_size} (token ids must be in [0, {vocab_size}))", param=name)

@@ -220,6 +220,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
                           "cache), as vLLM's flag; without it the field is null")
+    net.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="name tokens in logprobs as 'token_id:{id}' (vLLM's flag; a request's "
+                          "`return_tokens_as_token_ids` overrides it)")
     net.add_argument("--enable-response-store", action="store_true",
                      help="keep finished /v1/responses answers in memory (per API key) for `previous_response_id` "
                           "and GET /v1/responses/{id}; off by default, as vLLM's")

@@ -46,6 +46,8 @@ class GenerationSpec:
     lora_request: Any = None  # the LoRA adapter `model` names (paxserve.LoRARequest), if it names one
     priority: int = 0  # the request's place under --scheduling-policy priority (lower first)
     return_token_ids: bool = False  # vLLM's: choices carry `token_ids` (and the prompt's `prompt_token_ids`)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
+    add_special_tokens: bool = False  # chat: the template wrote them (vLLM's add_special_tokens); completions: True
     structured_param: str | None = None  # the field the output constraint came from (response_format, ...)
     max_tokens_param: str = "max_tokens"  # the field the client used (chat may say max_completion_tokens)
 
@@ -149,9 +151,11 @@ def _sampling_params(req: SamplingFields, settings: ServerSettings, *, logprobs:
         raise from_value_error(e, renames=renames) from None
 
 
-def _stream_flags(req: SamplingFields, spec: GenerationSpec) -> GenerationSpec:
+def _stream_flags(req: SamplingFields, spec: GenerationSpec, settings: ServerSettings) -> GenerationSpec:
     spec.stream = bool(req.stream)
     spec.return_token_ids = bool(req.return_token_ids)
+    spec.tokens_as_ids = req.return_tokens_as_token_ids if req.return_tokens_as_token_ids is not None else \
+        settings.return_tokens_as_token_ids
     if req.stream_options is not None:
         spec.include_usage = bool(req.stream_options.include_usage)
         spec.continuous_usage = bool(req.stream_options.continuous_usage_stats)
@@ -173,8 +177,17 @@ def completion_spec(req: CompletionRequest, settings: ServerSettings) -> Generat
                               structured=structured, skip_special_tokens=req.skip_special_tokens is not False)
     spec = GenerationSpec("completion", model, params, prompts=req.prompt_list(), echo=echo, logprobs=req.logprobs,
                           cache_salt=req.cache_salt, structured_param=structured_param, max_tokens_param=max_name,
-                          lora_request=settings.lora(model), priority=req.priority or 0)
-    return _stream_flags(req, spec)
+                          lora_request=settings.lora(model), priority=req.priority or 0, add_special_tokens=True)
+    return _stream_flags(req, spec, settings)
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs, with OpenAI's `reasoning_effort` as the template's variable of that name
+    (what gpt-oss style templates read; a request's own kwargs win)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return kwargs
 
 
 def chat_spec(req: ChatCompletionRequest, settings: ServerSettings) -> GenerationSpec:
@@ -200,12 +213,13 @@ def chat_spec(req: ChatCompletionRequest, settings: ServerSettings) -> Generatio
                           lora_request=settings.lora(model), priority=req.priority or 0,
                           max_tokens_param=max_name, structured_param=structured_param,
                           tools=tool_spec.tools or None,
-                          output=ChatOutputParsers.for_request(settings, tool_spec, guided=structured is not None),
+                          output=ChatOutputParsers.for_request(settings, tool_spec, guided=structured is not None,
+                                                               include_reasoning=req.include_reasoning),
                           add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message,
                           chat_template=check_request_chat_template(req, settings),
-                          chat_template_kwargs=dict(req.chat_template_kwargs or {}))
-    return _stream_flags(req, spec)
+                          chat_template_kwargs=_template_kwargs(req), add_special_tokens=req.add_special_tokens)
+    return _stream_flags(req, spec, settings)
 
 
 

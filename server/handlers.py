@@ -146,21 +146,22 @@ def _echo_logprobs(spec: GenerationSpec, prompt: PromptInput, prompt_logprobs: l
                    decode: Callable[[int], str]) -> dict[str, Any]:
     """Echo with logprobs: the prompt's tokens (the first with null logprobs) and then the answer's."""
     entries = list(prompt_logprobs or [None] * len(prompt.token_ids)) + list(o.logprobs or [])
-    return R.completion_logprobs(entries, prompt.token_ids + o.token_ids, 0, decode)
+    return R.completion_logprobs(entries, prompt.token_ids + o.token_ids, 0, decode, spec.tokens_as_ids)
 
 
 def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: CompletionOutput,
                   prompt_logprobs: list | None, decode: Callable[[int], str]) -> dict[str, Any]:
     want_logprobs = spec.logprobs is not None and o.logprobs is not None
     if spec.kind == "chat":
-        logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs) if want_logprobs else None
+        logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids) if want_logprobs \
+            else None
         choice = R.chat_choice(index, spec.output.message(o.text), logprobs, o.finish_reason, o.stop_reason)
         if spec.return_token_ids:
             choice["token_ids"] = list(o.token_ids)
         return choice
     if want_logprobs:
         logprobs = _echo_logprobs(spec, prompt, prompt_logprobs, o, decode) if spec.echo else \
-            R.completion_logprobs(o.logprobs, o.token_ids, 0)
+            R.completion_logprobs(o.logprobs, o.token_ids, 0, as_ids=spec.tokens_as_ids)
     else:
         logprobs = None
     text = (prompt.text or "") + o.text if spec.echo else o.text
@@ -211,11 +212,12 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
         logprobs = None
         if spec.logprobs is not None and (o.logprobs or echoed):
             if spec.kind == "chat":
-                logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs)
+                logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids)
             elif echoed:
                 logprobs = _echo_logprobs(spec, run.prompts[i], out.prompt_logprobs, o, st.decode)
             else:
-                logprobs = R.completion_logprobs(o.logprobs, o.token_ids, st.text_sent[idx])
+                logprobs = R.completion_logprobs(o.logprobs, o.token_ids, st.text_sent[idx],
+                                                 as_ids=spec.tokens_as_ids)
         if not text and logprobs is None and o.finish_reason is None and not (spec.return_token_ids and o.token_ids):
             continue
         st.text_sent[idx] += len(text)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictStr
 
 from paxserve.server.errors import ProtocolError
-from paxserve.server.protocol import Float, Int, _Body
+from paxserve.server.protocol import Float, Int, _Body, _Request
 
 
 class AnthropicMessage(_Body):
@@ -29,7 +29,7 @@ class OutputConfig(_Body):
     format: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(_Request):
     """POST /v1/messages/count_tokens: what the prompt holds, no sampling."""
 
     model: StrictStr

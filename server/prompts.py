@@ -41,7 +41,7 @@ def process_prompts(inputs: InputProcessor, spec: GenerationSpec, server_chat_te
         out = []
         for i, prompt in enumerate(prompts):
             request = inputs.process(f"{run_id}-{i}", prompt, params, cache_salt=spec.cache_salt, arrival_time=arrival,
-                                     add_special_tokens=spec.kind != "chat", prompt_param=spec.prompt_param,
+                                     add_special_tokens=spec.add_special_tokens, prompt_param=spec.prompt_param,
                                      lora_request=spec.lora_request, priority=spec.priority)
             text = request.prompt
             if text is None and spec.echo and inputs.tokenizer is not None:

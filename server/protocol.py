@@ -4,7 +4,13 @@ belong to HTTP rather than to the engine (OpenAI's `n` <= 128 and temperature <=
 A body that does not fit raises ProtocolError naming the field (`param`, from pydantic's error
 location). Ranges the offline API shares (top_p, penalties, max_tokens, ...) are SamplingParams'
 own checks, and what needs the tokenizer or the model's limits is the input processor's; both name
-their field too, so nothing here repeats them. Unknown fields are ignored, as OpenAI does.
+their field too, so nothing here repeats them.
+
+A request body's unknown top-level field is a 400 naming it (OpenAI's API refuses them too): a
+misspelt `max_token` must not silently generate 16 tokens. Known fields paxserve cannot honour are
+a 400 that says so; tracking fields that ask nothing of generation (`user`, `metadata`,
+`safety_identifier`, `prompt_cache_key`, `service_tier`) are accepted. Nested objects (messages,
+tools, formats) keep ignoring extra keys: clients send back whole response objects as messages.
 """
 
 from __future__ import annotations
@@ -39,12 +45,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
 
 
+class _Request(_Body):
+    """A whole request body: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class StreamOptions(_Body):
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Request):
     """The fields both generation endpoints share. None means "not sent": the model's default
     (--generation-config) or paxserve's applies."""
 
@@ -55,7 +67,7 @@ class SamplingFields(_Body):
     top_p: Float | None = None
     top_k: Int | None = None
     min_p: Float | None = None
-    seed: Int | None = None
+    seed: Annotated[Int, Field(ge=-2**63, le=2**63 - 1)] | None = None  # vLLM's range, and its pydantic wording
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None
@@ -74,7 +86,14 @@ class SamplingFields(_Body):
     cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = None
     priority: Int | None = None  # vLLM's: lower first, under --scheduling-policy priority
     return_token_ids: StrictBool | None = None  # vLLM's: the prompt's and the output's token ids too
+    return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: logprobs name tokens "token_id:{id}"
     allowed_token_ids: TokenIds | None = None  # vLLM's: sample only these
+    # Tracking fields: they ask nothing of generation.
+    user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None  # prefix caching is automatic; any key shares it
+    service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = None
     # Output constraints: their shapes are read by server/structured.py, which names its field.
     response_format: Any = None
     structured_outputs: Any = None
@@ -89,6 +108,16 @@ class SamplingFields(_Body):
     prompt_embeds: Any = None
     lora_request: Any = None
     kv_transfer_params: Any = None
+    logprob_token_ids: Any = None
+    bad_words: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    spaces_between_special_tokens: StrictBool | None = None
+    request_id: Any = None
+    vllm_xargs: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    store: StrictBool | None = None  # OpenAI keeps completions for its evals; nothing keeps them here
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -100,9 +129,17 @@ class SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _supported(self) -> "SamplingFields":
-        for name in ("logits_processors", "prompt_embeds", "lora_request", "kv_transfer_params"):
+        for name in ("logits_processors", "prompt_embeds", "lora_request", "kv_transfer_params", "logprob_token_ids",
+                     "bad_words", "truncate_prompt_tokens", "request_id", "vllm_xargs", "structural_tag",
+                     "guided_whitespace_pattern"):
             if getattr(self, name) not in (None, [], {}):
                 raise _unsupported(name)
+        if self.length_penalty not in (None, 1, 1.0):
+            raise _unsupported("length_penalty", "it applies to beam search")
+        if self.spaces_between_special_tokens is False:
+            raise _unsupported("spaces_between_special_tokens")
+        if self.store:
+            raise _unsupported("store", "stored completions (OpenAI's evals and distillation)")
         if self.use_beam_search:
             raise _unsupported("use_beam_search", "beam search")
         if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
@@ -130,11 +167,11 @@ class SamplingFields(_Body):
     def logit_bias_ids(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        try:
-            return {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise ProtocolError("`logit_bias` must map token ids to numbers in [-100, 100]",
-                                param="logit_bias") from None
+        bad = [k for k in self.logit_bias if not k.strip().lstrip("+-").isdigit()]
+        if bad:
+            raise ProtocolError(f"Found token_id(s) {bad[:5]} in logit_bias: token ids must be integers or strings "
+                                "representing integers", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
 
 class CompletionRequest(SamplingFields):
@@ -235,6 +272,15 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
     top_logprobs: Annotated[Int, Field(ge=0)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # the template's
+    include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out of the answer
+    add_special_tokens: StrictBool = False  # vLLM's: the template already wrote the special tokens
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Literal["in_memory"] | None = None  # the prefix cache lives in memory
     modalities: list[StrictStr] | None = None
     echo: StrictBool | None = None
     functions: Any = None
@@ -245,7 +291,8 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
 
     @model_validator(mode="after")
     def _chat_supported(self) -> "ChatCompletionRequest":
-        for name in ("functions", "function_call", "audio", "prediction", "web_search_options"):
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "documents",
+                     "mm_processor_kwargs", "verbosity", "moderation", "prompt_cache_options"):
             if getattr(self, name) not in (None, [], {}):
                 raise _unsupported(name)
         if self.modalities is not None and self.modalities != ["text"]:
@@ -257,7 +304,7 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
         return self
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """vLLM's POST /tokenize with a `prompt`."""
 
     model: StrictStr | None = None
@@ -266,7 +313,7 @@ class TokenizeRequest(_Body):
     return_token_strs: StrictBool = False
 
 
-class TokenizeChatRequest(ChatFields):
+class TokenizeChatRequest(ChatFields, _Request):
     """vLLM's POST /tokenize with `messages`: the conversation as the chat template renders it."""
 
     model: StrictStr | None = None
@@ -274,7 +321,7 @@ class TokenizeChatRequest(ChatFields):
     return_token_strs: StrictBool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: StrictStr | None = None
     tokens: TokenIds
 
@@ -321,6 +368,9 @@ def _field_error(e: ValidationError) -> ProtocolError:
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, ProtocolError):
         return cause
+    if error["type"] == "extra_forbidden" and len(path) == 1:
+        return ProtocolError(f"Unknown field `{where}`: not a field of this endpoint that paxserve knows (unknown "
+                             "fields are refused, never ignored; check its spelling)", param=where)
     got = "" if error["type"] in ("missing", "value_error") else \
         f", got {json.dumps(error.get('input'), default=str)[:100]}"
     if error["type"] == "missing":

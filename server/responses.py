@@ -27,29 +27,31 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, de
             "prompt_tokens_details": {"cached_tokens": cached_tokens} if details else None}
 
 
-def _token_str(token_id: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+def _token_str(token_id: int, lp: Logprob, as_ids: bool = False) -> str:
+    """The token as text, or as "token_id:{id}" (vLLM's return_tokens_as_token_ids, and a token
+    without text)."""
+    return lp.decoded_token if lp.decoded_token is not None and not as_ids else f"token_id:{token_id}"
 
 
 def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int], text_offset: int,
-                        decode: Callable[[int], str] | None = None) -> dict[str, Any]:
+                        decode: Callable[[int], str] | None = None, as_ids: bool = False) -> dict[str, Any]:
     """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset. An
     entry of None (the first echoed prompt token: nothing precedes it) has null logprobs, as in
     OpenAI's echo; its text comes from `decode`."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         if entry is None:
-            text = decode(token_id) if decode is not None else f"token_id:{token_id}"
+            text = decode(token_id) if decode is not None and not as_ids else f"token_id:{token_id}"
             tokens.append(text)
             token_logprobs.append(None)
             top.append(None)
         else:
             sampled = entry[token_id]
-            text = _token_str(token_id, sampled)
+            text = _token_str(token_id, sampled, as_ids)
             tokens.append(text)
             token_logprobs.append(_lp(sampled.logprob))
             ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
-            top.append({_token_str(t, lp): _lp(lp.logprob) for t, lp in ranked})
+            top.append({_token_str(t, lp, as_ids): _lp(lp.logprob) for t, lp in ranked})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -64,18 +66,19 @@ def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> lis
             for e in entries]
 
 
-def _chat_token(token_id: int, lp: Logprob) -> dict[str, Any]:
-    text = _token_str(token_id, lp)
+def _chat_token(token_id: int, lp: Logprob, as_ids: bool = False) -> dict[str, Any]:
+    text = _token_str(token_id, lp, as_ids)
     return {"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int) -> dict[str, Any]:
+def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int,
+                  as_ids: bool = False) -> dict[str, Any]:
     content = []
     for token_id, entry in zip(token_ids, entries):
-        item = _chat_token(token_id, entry[token_id])
+        item = _chat_token(token_id, entry[token_id], as_ids)
         alternatives = sorted((kv for kv in entry.items() if kv[1].rank is not None and kv[1].rank <= top_k),
                               key=lambda kv: kv[1].rank)
-        item["top_logprobs"] = [_chat_token(t, lp) for t, lp in alternatives]
+        item["top_logprobs"] = [_chat_token(t, lp, as_ids) for t, lp in alternatives]
         content.append(item)
     return {"content": content}
 

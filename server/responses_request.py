@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictStr
 
 from paxserve.server.errors import ProtocolError
-from paxserve.server.protocol import Float, Int, _Body
+from paxserve.server.protocol import Float, Int, _Body, _Request
 
 # Includes that ask for nothing paxserve would leave out: accepted as no-ops.
 HARMLESS_INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
@@ -31,7 +31,7 @@ class TextConfig(_Body):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(_Request):
     """The fields of OpenAI's responses.create that a self-hosted model can honour."""
 
     model: StrictStr | None = None

@@ -80,7 +80,7 @@ def build_settings(args: argparse.Namespace, model_root: str | None, chat_templa
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_response_store=args.enable_response_store, response_store_size=args.response_store_size,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, enable_response_store=args.enable_response_store, response_store_size=args.response_store_size,
         lora_modules=_lora_modules(names[0], args),
     )
 

@@ -39,6 +39,8 @@ class ServerSettings:
     enable_tokenizer_info_endpoint: bool = False
     # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details (cached prompt tokens).
     enable_prompt_tokens_details: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:{id}" unless a request says not.
+    return_tokens_as_token_ids: bool = False
     # The Responses API's store (previous_response_id, GET /v1/responses/{id}): off unless asked.
     enable_response_store: bool = False
     response_store_size: int = 1000

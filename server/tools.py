@@ -89,12 +89,14 @@ class ChatOutputParsers:
 
     reasoning: ReasoningParser | None = None
     tools: ToolParser | None = None
+    include_reasoning: bool = True  # vLLM's include_reasoning: false splits the reasoning off and drops it
 
     @classmethod
-    def for_request(cls, settings: ServerSettings, tool_spec: ToolSpec | None, guided: bool) -> "ChatOutputParsers":
+    def for_request(cls, settings: ServerSettings, tool_spec: ToolSpec | None, guided: bool,
+                    include_reasoning: bool = True) -> "ChatOutputParsers":
         reasoning = get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser and not guided \
             else None
-        return cls(reasoning, tool_spec.parser if tool_spec is not None else None)
+        return cls(reasoning, tool_spec.parser if tool_spec is not None else None, include_reasoning)
 
     @property
     def active(self) -> bool:
@@ -111,7 +113,7 @@ class ChatOutputParsers:
                      for c in extracted.tool_calls]
             if calls:
                 message["content"] = extracted.content  # null next to tool calls, as OpenAI sends it
-        if self.reasoning is not None:
+        if self.reasoning is not None and self.include_reasoning:
             message["reasoning"] = reasoning
         message["refusal"] = None
         message["tool_calls"] = calls
@@ -119,15 +121,17 @@ class ChatOutputParsers:
 
     def stream(self) -> "ChoiceStream":
         return ChoiceStream(self.reasoning.stream() if self.reasoning is not None else None,
-                            self.tools.stream() if self.tools is not None else None)
+                            self.tools.stream() if self.tools is not None else None, self.include_reasoning)
 
 
 class ChoiceStream:
     """One streamed choice: text deltas in, OpenAI delta objects out."""
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None) -> None:
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None,
+                 include_reasoning: bool = True) -> None:
         self._reasoning = reasoning
         self._tools = tools
+        self._include_reasoning = include_reasoning
         self.made_calls = False
 
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:
@@ -156,7 +160,7 @@ class ChoiceStream:
         if calls:
             self.made_calls = True
         delta: dict[str, Any] = {}
-        if reasoning:
+        if reasoning and self._include_reasoning:
             delta["reasoning"] = reasoning
         if content:
             delta["content"] = content

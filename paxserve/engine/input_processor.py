@@ -153,8 +153,8 @@ class InputProcessor:
         ids = [int(t) for t in ids]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                               param=param)
+            raise RequestError(f"{param}: Token id {max(bad, key=abs)} is out of vocabulary (token ids {bad[:5]} are "
+                               f"outside the vocabulary [0, {self.vocab_size}))", param=param)
         return ids
 
     def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:

@@ -348,11 +348,27 @@ def test_a_full_context_of_large_token_ids_is_not_too_large_a_body(client) -> No
     assert_usage(out.usage, prompt_tokens=MAX_MODEL_LEN - 1, completion_tokens=1)
 
 
-def test_unknown_extra_fields_are_ignored(server) -> None:
-    resp = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2,
-                                           "temperature": 0, "some_future_field": {"x": 1}, "user": "me"})
-    assert resp.status == 200, resp
-    assert resp.json()["usage"]["completion_tokens"] == 2
+def test_an_unknown_field_is_a_400_and_tracking_fields_pass(server) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "user": "me"}
+    resp = server.post("/v1/completions", body)
+    assert resp.status == 200 and resp.json()["usage"]["completion_tokens"] == 2, resp
+    # A misspelt field must not silently generate with the default (16 tokens here).
+    assert_error(server.post("/v1/completions", {**body, "max_token": 40}), 400, param="max_token",
+                 mentions="Unknown field")
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client) -> None:
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, logprobs=2, **GREEDY,
+                                    extra_body=extra)
+    ids = out.choices[0].model_extra["token_ids"]
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in out.choices[0].logprobs.top_logprobs for k in top)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=4, logprobs=True,
+                                          top_logprobs=2, **GREEDY, extra_body=extra)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+    assert content[0].bytes == list(content[0].token.encode())
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------------

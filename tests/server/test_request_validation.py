@@ -231,3 +231,61 @@ def test_a_valid_body_becomes_checked_engine_requests(inputs) -> None:
     assert prompts[0].request.max_tokens == MAX_MODEL_LEN - len(prompts[0].token_ids)  # the room left
     with pytest.raises(Exception):  # frozen: nothing downstream can change a checked request's settings
         spec.params.temperature = 5.0  # type: ignore[misc]
+
+
+# ---- vLLM's API to the letter -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,change,mentions", [
+    ("/v1/completions", {"logit_bias": {"abc": 1, "7": 2}}, "Found token_id(s) ['abc'] in logit_bias"),
+    ("/v1/completions", {"logit_bias": {str(VOCAB_SIZE): 1}},
+     f"token_id(s) [{VOCAB_SIZE}] in logit_bias contain out-of-vocab token ids. Vocabulary size: {VOCAB_SIZE}"),
+    ("/v1/chat/completions", {"allowed_token_ids": [VOCAB_SIZE + 1]}, "allowed_token_ids contain out-of-vocab"),
+    ("/v1/completions", {"prompt": [5, VOCAB_SIZE + 3]}, f"Token id {VOCAB_SIZE + 3} is out of vocabulary"),
+    ("/v1/completions", {"seed": 2**63}, "less than or equal to 9223372036854775807"),
+    ("/v1/chat/completions", {"seed": -2**63 - 1}, "greater than or equal to -9223372036854775808"),
+], ids=["logit_bias key not an integer", "logit_bias beyond vocab", "allowed_token_ids beyond vocab",
+        "prompt token beyond vocab", "seed too big", "seed too small"])
+def test_error_texts_clients_match_are_vllms(inputs, path: str, change: dict, mentions: str) -> None:
+    base = CHAT if "chat" in path else COMPLETION
+    assert mentions in refused(inputs, path, {**base, **change})["message"]
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "max_token"), ("/v1/chat/completions", "temprature"),
+                                        ("/v1/chat/completions", "some_future_field")])
+def test_an_unknown_field_is_a_400_naming_it_never_ignored(inputs, path: str, field: str) -> None:
+    base = CHAT if "chat" in path else COMPLETION
+    err = refused(inputs, path, {**base, field: 1})
+    assert err["param"] == field and "Unknown field" in err["message"], err
+
+
+@pytest.mark.parametrize("field,value", [("logprob_token_ids", [1, 2]), ("bad_words", ["x"]), ("request_id", "r1"),
+                                         ("truncate_prompt_tokens", 5), ("length_penalty", 0.5), ("store", True),
+                                         ("verbosity", "low"), ("documents", [{"text": "x"}])])
+def test_known_fields_paxserve_cannot_honour_say_so(inputs, field: str, value) -> None:
+    err = refused(inputs, "/v1/chat/completions", {**CHAT, field: value})
+    assert err["param"] == field and "not supported" in err["message"], err
+
+
+def test_tracking_fields_and_vllms_chat_switches_are_accepted_and_act(inputs) -> None:
+    spec, prompts = serve(inputs, "/v1/chat/completions", {
+        **CHAT, "user": "u1", "metadata": {"k": "v"}, "safety_identifier": "s", "prompt_cache_key": "p",
+        "service_tier": "auto", "store": False, "reasoning_effort": "low", "include_reasoning": False,
+        "add_special_tokens": True, "return_tokens_as_token_ids": True})
+    assert spec.chat_template_kwargs == {"reasoning_effort": "low"} and spec.tokens_as_ids
+    assert spec.add_special_tokens and spec.output.include_reasoning is False
+    plain, _ = serve(inputs, "/v1/chat/completions", CHAT)
+    assert not plain.add_special_tokens and not plain.tokens_as_ids
+
+
+def test_include_reasoning_false_splits_the_thinking_off_and_drops_it() -> None:
+    from paxserve.server.parsers.reasoning import get_reasoning_parser
+    from paxserve.server.tools import ChatOutputParsers
+
+    text = "<think>secret plan</think>The answer."
+    kept, dropped = (ChatOutputParsers(get_reasoning_parser("qwen3"), None, flag) for flag in (True, False))
+    assert kept.message(text)["reasoning"] == "secret plan" and kept.message(text)["content"] == "The answer."
+    assert "reasoning" not in dropped.message(text) and dropped.message(text)["content"] == "The answer."
+    stream = dropped.stream()
+    deltas = [stream.feed(part) for part in ("<think>secret", " plan</think>The", " answer.")] + \
+        [stream.feed("", final=True)]
+    assert all("reasoning" not in d for d in deltas) and "".join(d.get("content", "") for d in deltas) == "The answer."
