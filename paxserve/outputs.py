@@ -57,6 +57,10 @@ class RequestOutput:
     # delta outputs it comes once, on the first output (after they are ready); otherwise on every
     # output from then on (cumulative) or on the final one.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set on the finished output: when the request first got a batch place (time.monotonic; the
+    # earliest of its samples) and the preemptions of all its samples (vLLM's per-request metrics).
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,6 +76,8 @@ class RequestOutput:
                 self.outputs.append(o)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
+        self.first_scheduled_time = later.first_scheduled_time or self.first_scheduled_time
+        self.num_preemptions = later.num_preemptions or self.num_preemptions
         self.error = later.error or self.error
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs

@@ -53,7 +53,8 @@ class GenerationRun:
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue(maxsize=len(prompts))
         self.engine_ids = [f"{self.id}-{i}" for i in range(len(prompts))]
-        self.trackers: list[RequestTracker] = [metrics.tracker(arrival) for _ in prompts]
+        self.trackers: list[RequestTracker] = [metrics.tracker(arrival, params.n, p.request.max_tokens)
+                                               for p in prompts]
         self.finished = [False] * len(prompts)
         self._tasks: list[asyncio.Task] = []
         self._closed = False

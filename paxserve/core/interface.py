@@ -79,6 +79,10 @@ class SampleOutput:
     ended_by_grammar: bool = False
     # The request's prompt logprobs, complete, once: with the output of the sample that scored them.
     prompt_logprobs: PromptLogprobsBuffer | None = None
+    # On the finishing output: when the sample was first scheduled (time.monotonic) and how often it
+    # was preempted (vLLM's per-request queue / prefill / decode times and preemption counts).
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,10 @@ class EngineSnapshot:
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
     max_lora: int = 0
+    # vLLM's iteration_tokens_total: cumulative step counts per bucket of engine/stats.py's
+    # ITERATION_TOKEN_BUCKETS (+Inf last), and the tokens' sum.
+    iteration_tokens_buckets: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     def as_dict(self) -> dict[str, float | tuple[int, ...]]:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -57,6 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when it first got a place in the batch (time.monotonic)
     # Structured outputs: this sample's llguidance matcher, advanced by every output token. It
     # depends only on the output tokens, so preemption (recompute from the tokens) leaves it valid.
     matcher: Any = None

@@ -27,6 +27,7 @@ behind it (the base model's, or a resident adapter's) still start.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,6 +286,7 @@ class Scheduler:
             lora_slot = self._take_slot(request, in_use, out)
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.monotonic()
                 if self.kv.enable_caching:
                     self.kv.prefix_stats.record(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit

@@ -383,7 +383,8 @@ class EngineCore:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens,
             error=request.error if finished else None, ended_by_grammar=finished and request.ended_by_grammar,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
+            num_preemptions=request.num_preemptions,
         )
 
     def _fail_step(self, out: SchedulerOutput, registered: list, error: Exception,
@@ -443,6 +444,8 @@ class EngineCore:
             lora_running=_adapter_names(sched.running),
             lora_waiting=_adapter_names(sched.waiting),
             max_lora=0 if sched.lora_slots is None else sched.lora_slots.max_loras,
+            iteration_tokens_buckets=tuple(self.stats.iteration_buckets),
+            iteration_tokens_sum=self.stats.iteration_tokens_sum,
         )
 
 

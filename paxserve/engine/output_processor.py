@@ -54,6 +54,8 @@ class _RequestState:
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
+    first_scheduled_time: float | None = None  # the earliest of its samples'
+    preemptions: dict[int, int] = field(default_factory=dict)  # sample index -> its preemptions so far
 
     @property
     def finished(self) -> bool:
@@ -114,6 +116,10 @@ class OutputProcessor:
         if sample.finish_reason is not None:
             return  # a step already under way when a stop string ended it
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.first_scheduled_time is not None:
+            state.first_scheduled_time = min(state.first_scheduled_time or out.first_scheduled_time,
+                                             out.first_scheduled_time)
+        state.preemptions[out.sample_index] = out.num_preemptions
         if out.finish_reason == RequestStatus.FINISHED_ERROR.value:
             self._fail(state, out.error or "The request failed.", result)
             return
@@ -192,7 +198,9 @@ class OutputProcessor:
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=completions, finished=finished,
                              num_cached_tokens=state.num_cached_tokens, error=state.error,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs,
+                             first_scheduled_time=state.first_scheduled_time if finished else None,
+                             num_preemptions=sum(state.preemptions.values()) if finished else 0)
 
     def _prompt_logprobs(self, prompt_ids: list[int],
                          buffer: PromptLogprobsBuffer) -> list[dict[int, Logprob] | None]:

@@ -9,6 +9,8 @@ from typing import Any
 
 logger = logging.getLogger("paxserve.engine.stats")
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 @dataclass(slots=True)
 class StatsLogger:
@@ -18,6 +20,10 @@ class StatsLogger:
     prompt_tokens: int = 0  # totals since start
     generation_tokens: int = 0
     preemptions: int = 0
+    # vLLM's iteration_tokens_total histogram: tokens (prompt + generated) per step, cumulative counts
+    # for each of ITERATION_TOKEN_BUCKETS (the last is +Inf), their sum and the number of steps.
+    iteration_buckets: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
     _last_time: float = field(default_factory=time.monotonic)
     _last_prompt: int = 0
     _last_generation: int = 0
@@ -29,6 +35,13 @@ class StatsLogger:
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += generation_tokens
         self.preemptions += preemptions
+        tokens = prompt_tokens + generation_tokens
+        if tokens:  # a step that produced nothing (failed, or only preempted) is not an iteration
+            self.iteration_tokens_sum += tokens
+            for i, bound in enumerate(ITERATION_TOKEN_BUCKETS):
+                if tokens <= bound:
+                    self.iteration_buckets[i] += 1
+            self.iteration_buckets[-1] += 1
 
     def maybe_log(self, engine: Any) -> None:
         now = time.monotonic()

@@ -90,6 +90,10 @@ def test_preemption_under_a_tiny_kv_pool_still_gives_the_same_output(tiny_dir: P
     outs = eng.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert eng.stats.preemptions > 0, "the pool was meant to force preemption"
     assert [o.outputs[0].token_ids for o in outs] == alone
+    # Each finished output says how often it was preempted (vLLM's per-request histogram reads it)
+    # and when it first got a batch place; they add up to the engine's count.
+    assert sum(o.num_preemptions for o in outs) == eng.stats.preemptions
+    assert all(o.first_scheduled_time is not None for o in outs)
     assert_no_blocks_held(eng)
 
 

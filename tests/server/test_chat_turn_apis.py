@@ -238,3 +238,28 @@ def test_bad_messages_bodies_name_their_field(body, mentions) -> None:
     with pytest.raises(ProtocolError) as exc:
         _messages({k: v for k, v in full.items()})
     assert exc.value.status == 400 and mentions in exc.value.message, exc.value.message
+
+
+def test_per_request_times_are_split_at_first_scheduling_and_first_token() -> None:
+    from paxserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(MODEL_NAME, MAX_MODEL_LEN)
+    tracker = metrics.tracker(arrival=10.0, n=1, max_tokens=8)
+    first = RequestOutput("r", None, [1, 2, 3, 4], [CompletionOutput(0, "a", [5])], num_cached_tokens=1)
+    tracker.on_output(first, now=12.0)
+    last = RequestOutput("r", None, [1, 2, 3, 4], [CompletionOutput(0, "bc", [6, 7], finish_reason="length")],
+                         finished=True, num_cached_tokens=1, first_scheduled_time=11.0, num_preemptions=2)
+    tracker.on_output(last, now=16.0)
+
+    def total(name: str) -> float:
+        return metrics.registry.get_sample_value(f"paxserve:{name}_sum", {"model_name": MODEL_NAME})
+
+    assert total("request_queue_time_seconds") == 1.0  # arrival -> first scheduled
+    assert total("request_prefill_time_seconds") == 1.0  # first scheduled -> first token
+    assert total("request_decode_time_seconds") == 4.0  # first token -> last
+    assert total("request_inference_time_seconds") == 5.0
+    assert total("request_time_per_output_token_seconds") == 2.0  # 4 s over the 2 tokens after the first
+    assert total("request_num_preemptions") == 2 and total("request_prefill_kv_computed_tokens") == 3
+    assert total("request_params_max_tokens") == 8 and total("request_max_num_generation_tokens") == 3
+    text = metrics.render().decode()
+    assert 'vllm:request_queue_time_seconds_sum{model_name="smol-test"} 1.0' in text

@@ -543,6 +543,31 @@ def test_metrics_count_what_was_served(server, client) -> None:
     assert metric_value(after, "paxserve:num_requests_running") == 0
 
 
+def test_vllms_metrics_are_served_under_vllms_names_with_the_same_values(server, client) -> None:
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=2, seed=1,
+                              extra_body={"ignore_eos": True})
+    samples = server.metrics()
+    names = {n for n, _, _ in samples}
+    for hist in ("iteration_tokens_total", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_params_n", "request_params_max_tokens",
+                 "request_max_num_generation_tokens", "request_prefill_kv_computed_tokens", "request_num_preemptions",
+                 "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens"):
+        for prefix in ("paxserve:", "vllm:"):
+            assert f"{prefix}{hist}_count" in names and f"{prefix}{hist}_bucket" in names, prefix + hist
+    def exact(name: str, labels: str = "") -> float:
+        return sum(v for n, lb, v in samples if n == name and labels in lb)
+
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "num_preemptions_total", "prefix_cache_hits_total", "request_success_total",
+                 "request_params_n_sum", "iteration_tokens_total_count", "request_decode_time_seconds_count"):
+        assert exact(f"vllm:{name}") == exact(f"paxserve:{name}"), name
+    assert exact("vllm:num_requests_waiting_by_reason", 'reason="capacity"') == 0
+    # The n=2 request above is counted with n above 1.
+    assert exact("vllm:request_params_n_bucket", 'le="1.0"') < exact("vllm:request_params_n_count")
+    assert exact("vllm:iteration_tokens_total_sum") >= exact("vllm:generation_tokens_total") > 0
+
+
 def test_prefix_cache_metrics_count_a_repeated_prompt(server, client) -> None:
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 8  # several full blocks
     queries, hits = server.metric("paxserve:prefix_cache_queries"), server.metric("paxserve:prefix_cache_hits")
