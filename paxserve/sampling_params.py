@@ -72,6 +72,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: only these tokens may be sampled (the others' logits are masked before anything else).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: each sampled token's logprob and these tokens' (at most MAX_LOGPROBS), instead of the top
+    # `logprobs` alternatives.
+    logprob_token_ids: list[int] | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -97,11 +100,18 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            _fail("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < -1):
+            _fail("logprobs", self.logprobs, "must be an integer >= 0, or -1 for the whole vocabulary")
+        ids = self.logprob_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_LOGPROBS or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in ids) or len(set(ids)) != len(ids)):
+            _fail("logprob_token_ids", ids, f"must be a list of 1 to {MAX_LOGPROBS} distinct token ids")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
                 self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            _fail("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)")
+            _fail("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] (or None): "
+                  "prompt tokens' top alternatives stop at that many (the whole vocabulary, -1, is not supported "
+                  "for them)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**63):
             # vLLM's range (a signed 64-bit integer); a negative seed is its own stream (mod 2**64).
@@ -130,13 +140,34 @@ class SamplingParams:
             _fail("output_kind", self.output_kind, "must be a RequestOutputKind (0 cumulative, 1 delta, 2 final only)")
 
     @property
+    def wants_logprobs(self) -> bool:
+        """Whether each sampled token comes with logprobs (top alternatives or chosen tokens')."""
+        return self.logprobs is not None or self.logprob_token_ids is not None
+
+    @property
+    def num_logprob_columns(self) -> int:
+        """How many alternatives each sampled token's logprobs list (-1: the whole vocabulary)."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else (self.logprobs or 0)
+
+    @property
+    def wide_logprobs(self) -> bool:
+        """More top alternatives than the device's top-k columns hold (MAX_LOGPROBS), or all of them
+        (-1): the step copies the row's whole distribution to the host for these."""
+        return not self.logprob_token_ids and self.logprobs is not None and (
+            self.logprobs < 0 or self.logprobs > MAX_LOGPROBS)
+
+    @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids must exist in the model's vocabulary (checked when the model is known)."""
+        """Token ids must exist in the model's vocabulary (checked when the model is known), and no
+        more alternatives can be asked for than it has."""
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            _fail("logprobs", self.logprobs, f"must be at most the vocabulary size {vocab_size} (or -1 for all)")
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids or []),
-                          ("allowed_token_ids", self.allowed_token_ids or [])):
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logprob_token_ids", self.logprob_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:  # vLLM's wording, which clients match
                 raise RequestError(f"token_id(s) {bad[:5]} in {name} contain out-of-vocab token ids. Vocabulary "

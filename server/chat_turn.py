@@ -62,7 +62,8 @@ async def turn_pieces(spec: GenerationSpec, run: GenerationRun,
                 delta = parsed.feed(o.text, final=final)
             else:
                 delta = {"content": o.text} if o.text else {}
-            logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids)["content"] \
+            logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids,
+                                       spec.logprob_token_ids)["content"] \
                 if spec.logprobs is not None and o.logprobs else []
             yield TurnPiece(delta.get("reasoning", ""), delta.get("content", ""), list(delta.get("tool_calls", ())),
                             len(o.token_ids), o.finish_reason, o.stop_reason, out.num_cached_tokens, logprobs)

@@ -104,8 +104,8 @@ def _port(text: str) -> int:
 
 def _max_logprobs(text: str) -> int:
     value = int(text)
-    if not 0 <= value <= 20:
-        raise argparse.ArgumentTypeError(f"must be in [0, 20] (the engine returns at most 20), got {value}")
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be >= 0, or -1 for no limit (vLLM's), got {value}")
     return value
 
 
@@ -184,7 +184,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="a Jinja chat template (file path or the template itself) replacing the model's own")
     net.add_argument("--max-logprobs", type=_max_logprobs, default=20,
                      help="largest `logprobs` (completions) / `top_logprobs` (chat) a request may ask for; more "
-                          "is a 400")
+                          "is a 400. -1: no limit (a request's -1 asks for the whole vocabulary); above 20, rows "
+                          "copy their whole distribution to the host")
     net.add_argument("--max-num-queued-reqs", type=_non_negative_int, default=None,
                      help="admission control: answer 429 (Retry-After: 1) when accepting a request would leave "
                           "more than this many sequences waiting for a batch slot, i.e. when sequences in "

@@ -47,6 +47,7 @@ class GenerationSpec:
     priority: int = 0  # the request's place under --scheduling-policy priority (lower first)
     return_token_ids: bool = False  # vLLM's: choices carry `token_ids` (and the prompt's `prompt_token_ids`)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
+    logprob_token_ids: list[int] | None = None  # vLLM's: logprobs list these tokens, not the top ones
     add_special_tokens: bool = False  # chat: the template wrote them (vLLM's add_special_tokens); completions: True
     structured_param: str | None = None  # the field the output constraint came from (response_format, ...)
     max_tokens_param: str = "max_tokens"  # the field the client used (chat may say max_completion_tokens)
@@ -116,8 +117,13 @@ def template_messages(req: ChatFields) -> list[dict[str, Any]]:
 
 
 def _check_logprobs(value: int | None, name: str, settings: ServerSettings) -> None:
-    if value is not None and value > settings.max_logprobs:
-        raise ProtocolError(f"Requested {name} of {value}, which is greater than max allowed: "
+    """vLLM's --max-logprobs: -1 there lifts the cap; -1 here asks for the whole vocabulary."""
+    if value is None or settings.max_logprobs < 0:
+        return
+    wanted = (settings.vocab_size or 0) if value < 0 else value
+    if wanted > settings.max_logprobs:
+        asked = f"{value} (the whole vocabulary, {settings.vocab_size} tokens)" if value < 0 else str(value)
+        raise ProtocolError(f"Requested {name} of {asked}, which is greater than max allowed: "
                             f"{settings.max_logprobs}", param=name)
 
 
@@ -129,6 +135,7 @@ def _sampling_params(req: SamplingFields, settings: ServerSettings, *, logprobs:
         raise ProtocolError(f"`stop` has {len(stops)} stop strings; at most {settings.max_stop_strings} are allowed "
                             "(--max-stop-strings)", param="stop")
     _check_logprobs(prompt_logprobs, "prompt_logprobs", settings)
+    _check_logprobs(len(req.logprob_token_ids) if req.logprob_token_ids else None, "logprob_token_ids", settings)
     # Fields the body leaves out (or sends as null) take the model's defaults (--generation-config),
     # else paxserve's; max_tokens' default is applied by the input processor (max_tokens=None).
     defaults = settings.sampling_defaults or {}
@@ -144,6 +151,7 @@ def _sampling_params(req: SamplingFields, settings: ServerSettings, *, logprobs:
             repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             logit_bias=req.logit_bias_ids(), stop=req.stop or None, stop_token_ids=req.stop_token_ids or None,
             allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
+            logprob_token_ids=None if req.logprob_token_ids is None else list(req.logprob_token_ids),
             ignore_eos=bool(req.ignore_eos), max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
             logprobs=logprobs, include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=skip_special_tokens, structured_outputs=structured, prompt_logprobs=prompt_logprobs)
@@ -156,6 +164,7 @@ def _stream_flags(req: SamplingFields, spec: GenerationSpec, settings: ServerSet
     spec.return_token_ids = bool(req.return_token_ids)
     spec.tokens_as_ids = req.return_tokens_as_token_ids if req.return_tokens_as_token_ids is not None else \
         settings.return_tokens_as_token_ids
+    spec.logprob_token_ids = spec.params.logprob_token_ids
     if req.stream_options is not None:
         spec.include_usage = bool(req.stream_options.include_usage)
         spec.continuous_usage = bool(req.stream_options.continuous_usage_stats)
@@ -165,6 +174,8 @@ def _stream_flags(req: SamplingFields, spec: GenerationSpec, settings: ServerSet
 def completion_spec(req: CompletionRequest, settings: ServerSettings) -> GenerationSpec:
     model = check_model(req.model, settings)
     _check_logprobs(req.logprobs, "logprobs", settings)
+    if req.logprob_token_ids and req.logprobs is None:  # vLLM's: the chosen tokens' logprobs are the output's
+        req = req.model_copy(update={"logprobs": 0})
     echo = bool(req.echo)
     max_name = req.max_tokens_field
     max_tokens = req.max_tokens_value if req.max_tokens_value is not None else 16
@@ -195,6 +206,9 @@ def chat_spec(req: ChatCompletionRequest, settings: ServerSettings) -> Generatio
     messages = template_messages(req)
     _check_logprobs(req.top_logprobs, "top_logprobs", settings)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.logprob_token_ids and not req.logprobs:
+        raise ProtocolError("`logprob_token_ids` needs `logprobs: true` (they are the logprobs the response lists)",
+                            param="logprob_token_ids")
     max_name = req.max_tokens_field
     tool_spec = parse_tools(req, settings)
     structured, structured_param = parse_structured_outputs(req)

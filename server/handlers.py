@@ -153,7 +153,8 @@ def _final_choice(spec: GenerationSpec, index: int, prompt: PromptInput, o: Comp
                   prompt_logprobs: list | None, decode: Callable[[int], str]) -> dict[str, Any]:
     want_logprobs = spec.logprobs is not None and o.logprobs is not None
     if spec.kind == "chat":
-        logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids) if want_logprobs \
+        logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids,
+                                   spec.logprob_token_ids) if want_logprobs \
             else None
         choice = R.chat_choice(index, spec.output.message(o.text), logprobs, o.finish_reason, o.stop_reason)
         if spec.return_token_ids:
@@ -212,7 +213,8 @@ def _chunks(spec: GenerationSpec, run: GenerationRun, st: _StreamState, i: int,
         logprobs = None
         if spec.logprobs is not None and (o.logprobs or echoed):
             if spec.kind == "chat":
-                logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids)
+                logprobs = R.chat_logprobs(o.logprobs, o.token_ids, spec.logprobs, spec.tokens_as_ids,
+                                           spec.logprob_token_ids)
             elif echoed:
                 logprobs = _echo_logprobs(spec, run.prompts[i], out.prompt_logprobs, o, st.decode)
             else:

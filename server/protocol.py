@@ -80,7 +80,7 @@ class SamplingFields(_Request):
     min_tokens: Int | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
-    prompt_logprobs: Annotated[Int, Field(ge=0)] | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=-1)] | None = None  # -1: vLLM's "the whole vocabulary"
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = None
@@ -108,7 +108,7 @@ class SamplingFields(_Request):
     prompt_embeds: Any = None
     lora_request: Any = None
     kv_transfer_params: Any = None
-    logprob_token_ids: Any = None
+    logprob_token_ids: TokenIds | None = None  # vLLM's: these tokens' logprobs instead of the top ones
     bad_words: Any = None
     length_penalty: Any = None
     truncate_prompt_tokens: Any = None
@@ -129,8 +129,7 @@ class SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _supported(self) -> "SamplingFields":
-        for name in ("logits_processors", "prompt_embeds", "lora_request", "kv_transfer_params", "logprob_token_ids",
-                     "bad_words", "truncate_prompt_tokens", "request_id", "vllm_xargs", "structural_tag",
+        for name in ("logits_processors", "prompt_embeds", "lora_request", "kv_transfer_params", "bad_words", "truncate_prompt_tokens", "request_id", "vllm_xargs", "structural_tag",
                      "guided_whitespace_pattern"):
             if getattr(self, name) not in (None, [], {}):
                 raise _unsupported(name)
@@ -179,7 +178,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: StrictStr | list[StrictStr] | list[TokenIds] | TokenIds
     echo: StrictBool | None = None
-    logprobs: Annotated[Int, Field(ge=0)] | None = None
+    logprobs: Annotated[Int, Field(ge=-1)] | None = None  # -1: the whole vocabulary
     suffix: StrictStr | None = None
 
     @field_validator("prompt", mode="before")
@@ -269,7 +268,7 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
     """POST /v1/chat/completions."""
 
     logprobs: StrictBool | None = None
-    top_logprobs: Annotated[Int, Field(ge=0)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=-1)] | None = None  # -1: the whole vocabulary
     tool_choice: Any = None
     parallel_tool_calls: StrictBool = True
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # the template's

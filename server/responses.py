@@ -72,12 +72,16 @@ def _chat_token(token_id: int, lp: Logprob, as_ids: bool = False) -> dict[str, A
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int,
-                  as_ids: bool = False) -> dict[str, Any]:
+                  as_ids: bool = False, chosen: list[int] | None = None) -> dict[str, Any]:
+    """`chosen`: vLLM's logprob_token_ids, listed (in their order) instead of the top `top_k`."""
     content = []
     for token_id, entry in zip(token_ids, entries):
         item = _chat_token(token_id, entry[token_id], as_ids)
-        alternatives = sorted((kv for kv in entry.items() if kv[1].rank is not None and kv[1].rank <= top_k),
-                              key=lambda kv: kv[1].rank)
+        if chosen:
+            alternatives = [(t, entry[t]) for t in chosen if t in entry]
+        else:
+            alternatives = sorted((kv for kv in entry.items() if kv[1].rank is not None and
+                                   (top_k < 0 or kv[1].rank <= top_k)), key=lambda kv: kv[1].rank)
         item["top_logprobs"] = [_chat_token(t, lp, as_ids) for t, lp in alternatives]
         content.append(item)
     return {"content": content}

@@ -50,8 +50,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("ServerSettings.served_model_names must name at least one model")
-        if not 0 <= self.max_logprobs:
-            raise ValueError(f"ServerSettings.max_logprobs={self.max_logprobs} must be >= 0")
+        if self.max_logprobs < -1:
+            raise ValueError(f"ServerSettings.max_logprobs={self.max_logprobs} must be >= 0, or -1 for no limit")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
             raise ValueError(f"ServerSettings.max_num_queued_reqs={self.max_num_queued_reqs} must be >= 0")
         if self.max_stop_strings < 0:

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from paxserve.core.interface import EngineCoreRequest, EngineSnapshot, SampledLogprobs, SampleOutput
 from paxserve.core.kv_cache_manager import KVCacheManager
 from paxserve.core.prompt_logprobs import (
@@ -365,9 +367,12 @@ class EngineCore:
                        num_new: int = 1) -> SampleOutput:
         """`num_new`: the tokens the step added to the request (several when it verified proposals)."""
         logprobs = None
-        if request.sampling_params.logprobs is not None and sampled.sampled_logprobs is not None:
+        if request.sampling_params.wants_logprobs and sampled.sampled_logprobs is not None:
             first = sampled.first_row(row)
-            logprobs = [SampledLogprobs(float(sampled.sampled_logprobs[i]), sampled.top_token_ids[i],
+            logprobs = [_wide_logprobs(float(sampled.sampled_logprobs[i]), sampled.wide[i],
+                                       request.sampling_params.logprobs)
+                        if sampled.wide is not None and i in sampled.wide else
+                        SampledLogprobs(float(sampled.sampled_logprobs[i]), sampled.top_token_ids[i],
                                         sampled.top_logprobs[i]) for i in range(first, first + num_new)]
             logprobs = logprobs[0] if num_new == 1 else logprobs
         prompt_logprobs = request.prompt_logprobs
@@ -447,6 +452,14 @@ class EngineCore:
             iteration_tokens_buckets=tuple(self.stats.iteration_buckets),
             iteration_tokens_sum=self.stats.iteration_tokens_sum,
         )
+
+
+def _wide_logprobs(own: float, row: np.ndarray, k: int) -> SampledLogprobs:
+    """A token's logprobs (`own`) with the top `k` of its whole log-softmax row (-1: every token),
+    most likely first (ties by token id)."""
+    ids = np.argsort(-row, kind="stable")
+    ids = ids if k < 0 else ids[:k]
+    return SampledLogprobs(own, ids.astype(np.int32), row[ids])
 
 
 def _adapter_names(requests: Any) -> tuple[str, ...]:

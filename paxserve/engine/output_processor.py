@@ -82,7 +82,7 @@ class OutputProcessor:
         assert request.request_id not in self._states, request.request_id  # the engine core keeps ids unique
         params = request.sampling_params
         samples = [_Sample(i, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
-                           params.logprobs is not None) for i in range(params.n)]
+                           params.wants_logprobs) for i in range(params.n)]
         self._states[request.request_id] = _RequestState(request, samples)
 
     def abort_request(self, request_id: str) -> None:
@@ -137,7 +137,8 @@ class OutputProcessor:
         for i, token in enumerate(out.new_token_ids):
             sample.token_ids.append(token)
             if sample.want_logprobs and logprobs is not None:
-                sample.logprobs.append(self._logprobs_entry(token, logprobs[i], params.logprobs or 0))
+                sample.logprobs.append(self._logprobs_entry(token, logprobs[i], params.num_logprob_columns,
+                                                            ranked=params.logprob_token_ids is None))
                 sample.cumulative_logprob += logprobs[i].logprob
             if (i < last or not ended_by_token or params.include_stop_str_in_output) and not detok.finished:
                 stop = detok.update([token])
@@ -213,18 +214,22 @@ class OutputProcessor:
             entries.append(self._logprobs_entry(token, lp, k, rank=int(buffer.ranks[i])))
         return entries
 
-    def _logprobs_entry(self, token: int, lp: SampledLogprobs, k: int, rank: int | None = None) -> dict[int, Logprob]:
-        """`rank`: the token's exact rank when known; else its place in the top ids, if there."""
+    def _logprobs_entry(self, token: int, lp: SampledLogprobs, k: int, rank: int | None = None,
+                        ranked: bool = True) -> dict[int, Logprob]:
+        """`rank`: the token's exact rank when known; else its place in the top ids, if there.
+        `ranked` false: the columns are chosen tokens (logprob_token_ids), whose ranks are unknown."""
         top_ids = lp.top_token_ids.tolist()
         top_lps = lp.top_logprobs.tolist()
+        k = len(top_ids) if k < 0 else k  # -1: the whole vocabulary (the row holds every token)
         tok = self.tokenizer
 
         def decode(t: int) -> str | None:
             return tok.decode([t]) if tok is not None else None
 
-        if rank is None and token in top_ids:
+        if rank is None and ranked and token in top_ids:
             rank = top_ids.index(token) + 1
         entry = {token: Logprob(lp.logprob, rank=rank, decoded_token=decode(token))}
         for place, (tid, value) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1):
-            entry.setdefault(int(tid), Logprob(float(value), rank=place, decoded_token=decode(int(tid))))
+            entry.setdefault(int(tid), Logprob(float(value), rank=place if ranked else None,
+                                               decoded_token=decode(int(tid))))
         return entry

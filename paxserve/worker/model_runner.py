@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 from tqdm.auto import tqdm
 
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH, PromptLogprobsInputs
@@ -33,6 +34,7 @@ from paxserve.models.config import ModelConfig
 from paxserve.models.loader import LoadedModel
 from paxserve.models.quant_weights import matmul_kernel
 from paxserve.models.sharding import TensorParallel
+from paxserve.sampling_params import MAX_LOGPROBS
 from paxserve.worker.input_batch import InputBatch, PreparedStep
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
 from paxserve.worker.sampling.host_inputs import (
@@ -95,6 +97,10 @@ class DeviceStep:
     # multi-host engine (workers replay every dispatch), so a drafter's pass can name the steps
     # whose hidden states it reads.
     index: int = -1
+    # Rows that asked for more top logprobs than the packed columns hold: their whole log-softmax
+    # rows (padded to a power of two with copies of the last) and which sampler rows they are.
+    wide: jax.Array | None = None
+    wide_rows: list[int] | None = None
 
 
 def zeroed_kv_cache(cfg: ModelConfig, tp: TensorParallel | None, num_blocks: int, block_size: int,
@@ -182,6 +188,7 @@ class ModelRunner:
         self.tokens_run = 0
         self.tokens_real = 0
         self._all_allowed: dict[int, jax.Array] = {}  # the bitmask of steps without constrained rows, by S
+        self._no_logprob_ids: dict[int, jax.Array] = {}  # logprob_ids of steps without logprob_token_ids, by S
         self.plan_sink = plan_sink
         self.num_dispatched = 0
 
@@ -463,7 +470,9 @@ class ModelRunner:
         s = sampling.temperature.shape[0]
         if sampling.allowed_token_bitmask is None and s not in self._all_allowed:
             self._all_allowed[s] = jnp.full((s, bitmask_width(self.model.config.vocab_size)), -1, jnp.int32)
-        return SamplingMetadata.from_inputs(sampling, self._all_allowed.get(s))
+        if sampling.logprob_ids is None and s not in self._no_logprob_ids:
+            self._no_logprob_ids[s] = jnp.full((s, MAX_LOGPROBS), -1, jnp.int32)
+        return SamplingMetadata.from_inputs(sampling, self._all_allowed.get(s), self._no_logprob_ids.get(s))
 
     def _run(self, key: tuple, *args: Any) -> Any:
         if key[0] in FORWARD_KINDS and key[1:] not in self.compiled:
@@ -508,12 +517,12 @@ class ModelRunner:
             packed, self.sampler_state = self._run(("verify_sample", n), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state, jnp.asarray(sampling.draft_tokens),
                                                    jnp.asarray(sampling.earlier_drafts))
-            return DeviceStep(packed, sampling.num_rows, n, None, self._aux, index)
+            return self._with_wide(DeviceStep(packed, sampling.num_rows, n, None, self._aux, index), logits, sampling)
         if prompt is None:
             logits = self._forward((batch.program, t, s, b), self.forward_args(batch))
             packed, self.sampler_state = self._run(("sample", s), logits, self._sampling_metadata(sampling),
                                                    self.sampler_state)
-            return DeviceStep(packed, batch.num_seqs, s, None, self._aux, index)
+            return self._with_wide(DeviceStep(packed, batch.num_seqs, s, None, self._aux, index), logits, sampling)
         if prompt.targets.shape[0] != t:
             raise ValueError(f"prompt logprob targets cover {prompt.targets.shape[0]} positions, the batch {t}")
         args = self.forward_args(batch)
@@ -522,6 +531,20 @@ class ModelRunner:
                                                self._sampling_metadata(sampling), self.sampler_state,
                                                jnp.asarray(prompt.targets))
         return DeviceStep(packed, batch.num_seqs, s, t, self._aux, index)
+
+    @staticmethod
+    def _with_wide(step: DeviceStep, logits: jax.Array, sampling: SamplingInputs) -> DeviceStep:
+        """Rows asking for more top logprobs than the packed columns hold get their whole log-softmax
+        row as well (rare: a distinct small program, compiled per power of two of such rows). Every
+        rank of a multi-host engine runs it too: it replays this dispatch."""
+        if sampling.wide_logprobs is None:
+            return step
+        rows = np.flatnonzero(sampling.wide_logprobs[:sampling.num_rows]).tolist()
+        if not rows:
+            return step
+        padded = rows + [rows[-1]] * ((1 << (len(rows) - 1).bit_length()) - len(rows))
+        step.wide, step.wide_rows = _log_softmax_rows(logits, jnp.asarray(padded, jnp.int32)), rows
+        return step
 
     def _forward(self, key: tuple, args: tuple[Any, ...]) -> jax.Array:
         """Run a forward program: its logits (the cache, and any aux hidden states, are kept)."""
@@ -533,10 +556,20 @@ class ModelRunner:
         """Wait for a dispatched step and copy its results to the host (the step's one copy)."""
         flat = host_copy(step.packed)
         if step.num_prompt_positions is None:
-            return unpack(flat, step.num_seqs), None
+            sampled = unpack(flat, step.num_seqs)
+            if step.wide is not None:
+                wide = host_copy(step.wide)
+                sampled.wide = {row: wide[i] for i, row in enumerate(step.wide_rows)}
+            return sampled, None
         num_sampled = step.num_rows * PACKED_WIDTH
         sampled = unpack(flat[:num_sampled].reshape(step.num_rows, PACKED_WIDTH), step.num_seqs)
         return sampled, flat[num_sampled:].reshape(step.num_prompt_positions, PROMPT_PACKED_WIDTH)
+
+
+@jax.jit
+def _log_softmax_rows(logits: Float[Array, "S V"], rows: Int[Array, " N"]) -> Float[Array, "N V"]:
+    """The whole log-softmax of the chosen rows' raw logits, as the top logprobs are."""
+    return jax.nn.log_softmax(logits[rows].astype(jnp.float32), axis=-1)
 
 
 def host_copy(array: jax.Array) -> np.ndarray:

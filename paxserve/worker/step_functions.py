@@ -200,7 +200,8 @@ class StepShapes:
             min_tokens=_shape((s,), i32), presence_penalty=_shape((s,), f32), frequency_penalty=_shape((s,), f32),
             repetition_penalty=_shape((s,), f32), logprobs=_shape((s,), bool), state_row=_shape((s,), i32),
             batch_row=_shape((s,), i32), keep=_shape((s,), bool),
-            allowed_token_bitmask=_shape((s, bitmask_width(self.cfg.vocab_size)), i32))
+            allowed_token_bitmask=_shape((s, bitmask_width(self.cfg.vocab_size)), i32),
+            logprob_ids=_shape((s, MAX_LOGPROBS), i32))
 
     def lora_weights(self) -> Any:
         """The LoRA slots' abstract arrays (models/lora.py), placed as `TensorParallel.place_lora` does."""

@@ -13,7 +13,7 @@ from paxserve import AsyncEngine, Engine, SamplingParams
 from paxserve.models.bundled import default_model_path
 from paxserve.models.gguf_io import GGUFCheckpoint
 from paxserve.models.tokenizer import tokenizer_from_gguf
-from paxserve.sampling_params import RequestOutputKind
+from paxserve.sampling_params import MAX_LOGPROBS, RequestOutputKind
 from tests.helpers import make_tiny_llama
 
 VOCAB = 49152
@@ -201,6 +201,41 @@ def test_logprobs_are_returned_for_each_token(engine: Engine) -> None:
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
+def test_logprob_token_ids_give_those_tokens_logprobs_as_the_top_list_scores_them(engine: Engine) -> None:
+    top = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=MAX_LOGPROBS,
+                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    first = sorted(top.logprobs[0].items(), key=lambda kv: kv[1].rank)
+    chosen = [first[6][0], first[0][0], first[12][0]]  # ranks 7, 1 and 13 at the first position, out of order
+    out = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=3, logprob_token_ids=chosen,
+                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == top.token_ids  # asking for logprobs changes nothing sampled
+    for position, entry in enumerate(out.logprobs):
+        assert set(entry) == set(chosen) | {out.token_ids[position]}
+    for t in chosen:
+        assert out.logprobs[0][t].logprob == pytest.approx(top.logprobs[0][t].logprob, abs=1e-5)
+        assert out.logprobs[0][t].rank is None  # chosen, not ranked: their ranks are not computed
+
+
+def test_more_top_logprobs_than_the_device_columns_and_the_whole_vocabulary(engine: Engine) -> None:
+    def run(**kw: Any) -> Any:
+        return engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, **kw),
+                               use_tqdm=False)[0].outputs[0]
+
+    top, wide, every = run(logprobs=MAX_LOGPROBS), run(logprobs=3 * MAX_LOGPROBS), run(logprobs=-1)
+    assert wide.token_ids == top.token_ids == every.token_ids
+    for position in range(2):
+        ranked = sorted(wide.logprobs[position].items(), key=lambda kv: kv[1].rank)
+        assert len(ranked) == 3 * MAX_LOGPROBS and [kv[1].rank for kv in ranked] == list(range(1, 3 * MAX_LOGPROBS + 1))
+        for t, lp in top.logprobs[position].items():  # the first 20 as the device's top-k has them
+            assert wide.logprobs[position][t].rank == lp.rank
+            assert wide.logprobs[position][t].logprob == pytest.approx(lp.logprob, abs=1e-5)
+        whole = every.logprobs[position]
+        assert len(whole) == VOCAB  # every token, a distribution
+        assert np.exp(np.array([lp.logprob for lp in whole.values()], np.float64)).sum() == pytest.approx(1, abs=1e-3)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        run(logprobs=VOCAB + 1)
+
+
 def test_chat_uses_the_template(engine: Engine) -> None:
     out = engine.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=3),
                       use_tqdm=False)[0]
@@ -212,7 +247,7 @@ def test_chat_uses_the_template(engine: Engine) -> None:
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
     (dict(min_p=1.5), "min_p"), (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logprobs=21), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logprobs=-2), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"), (dict(logit_bias={5: 101.0}), "logit_bias"), (dict(seed=2**63), "seed"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

@@ -294,6 +294,21 @@ def test_logprobs_are_of_the_raw_logits() -> None:
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, out.top_token_ids, -1), rtol=1e-5)
 
 
+def test_logprob_token_ids_report_those_tokens_in_their_order_beside_rows_that_want_the_top_ones() -> None:
+    logits = random_logits(4, seed=9)
+    chosen = [7, 0, V - 1]
+    rows = [row(temperature=0.0, logprob_token_ids=chosen), row(temperature=0.0, logprobs=4),
+            row(seed=5, logprob_token_ids=[3])]
+    out = run(rows, logits)
+    ref = np_log_softmax(logits[:3])
+    np.testing.assert_allclose(out.sampled_logprobs, ref[np.arange(3), out.token_ids], rtol=1e-5)
+    assert out.top_token_ids[0, :3].tolist() == chosen and out.top_token_ids[2, 0] == 3
+    np.testing.assert_allclose(out.top_logprobs[0, :3], ref[0, chosen], rtol=1e-5)
+    np.testing.assert_allclose(out.top_logprobs[2, 0], ref[2, 3], rtol=1e-5)
+    # The row between them still gets its top ones.
+    np.testing.assert_array_equal(out.top_token_ids[1], np.argsort(-ref[1])[:MAX_LOGPROBS])
+
+
 # --- host side -------------------------------------------------------------------------------------
 
 

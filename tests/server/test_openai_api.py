@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import MAX_MODEL_LEN, MODEL_NAME, VOCAB_SIZE, assert_error, metric_value, sse_payloads
+from conftest import MAX_LOGPROBS, MAX_MODEL_LEN, MODEL_NAME, VOCAB_SIZE, assert_error, metric_value, sse_payloads
 
 PROMPT = "Hello, my name is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -355,6 +355,22 @@ def test_an_unknown_field_is_a_400_and_tracking_fields_pass(server) -> None:
     # A misspelt field must not silently generate with the default (16 tokens here).
     assert_error(server.post("/v1/completions", {**body, "max_token": 40}), 400, param="max_token",
                  mentions="Unknown field")
+
+
+def test_logprob_token_ids_list_those_tokens_logprobs_as_vllm_does(client) -> None:
+    top = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=2, logprobs=True,
+                                         top_logprobs=MAX_LOGPROBS, **GREEDY,
+                                         extra_body={"return_tokens_as_token_ids": True})
+    ranked = {int(t.token.split(":")[1]): t.logprob for t in top.choices[0].logprobs.content[0].top_logprobs}
+    chosen = list(ranked)[::-1][:3]  # the least likely of the top ones first
+    out = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=2, logprobs=True, **GREEDY,
+                                         extra_body={"logprob_token_ids": chosen, "return_tokens_as_token_ids": True})
+    first = out.choices[0].logprobs.content[0]
+    assert [int(t.token.split(":")[1]) for t in first.top_logprobs] == chosen
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx([ranked[t] for t in chosen], abs=1e-4)
+    cmpl = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, **GREEDY,
+                                     extra_body={"logprob_token_ids": chosen, "return_tokens_as_token_ids": True})
+    assert {f"token_id:{t}" for t in chosen} <= set(cmpl.choices[0].logprobs.top_logprobs[0])
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client) -> None:

@@ -240,10 +240,15 @@ def test_a_valid_body_becomes_checked_engine_requests(inputs) -> None:
     ("/v1/completions", {"logit_bias": {str(VOCAB_SIZE): 1}},
      f"token_id(s) [{VOCAB_SIZE}] in logit_bias contain out-of-vocab token ids. Vocabulary size: {VOCAB_SIZE}"),
     ("/v1/chat/completions", {"allowed_token_ids": [VOCAB_SIZE + 1]}, "allowed_token_ids contain out-of-vocab"),
+    ("/v1/chat/completions", {"logprobs": True, "logprob_token_ids": [VOCAB_SIZE]},
+     "logprob_token_ids contain out-of-vocab"),
+    ("/v1/chat/completions", {"logprob_token_ids": [5]}, "needs `logprobs: true`"),
+    ("/v1/completions", {"logprob_token_ids": list(range(MAX_LOGPROBS + 1))}, "greater than max allowed"),
     ("/v1/completions", {"prompt": [5, VOCAB_SIZE + 3]}, f"Token id {VOCAB_SIZE + 3} is out of vocabulary"),
     ("/v1/completions", {"seed": 2**63}, "less than or equal to 9223372036854775807"),
     ("/v1/chat/completions", {"seed": -2**63 - 1}, "greater than or equal to -9223372036854775808"),
 ], ids=["logit_bias key not an integer", "logit_bias beyond vocab", "allowed_token_ids beyond vocab",
+        "logprob_token_ids beyond vocab", "logprob_token_ids without logprobs", "too many logprob_token_ids",
         "prompt token beyond vocab", "seed too big", "seed too small"])
 def test_error_texts_clients_match_are_vllms(inputs, path: str, change: dict, mentions: str) -> None:
     base = CHAT if "chat" in path else COMPLETION
@@ -258,7 +263,7 @@ def test_an_unknown_field_is_a_400_naming_it_never_ignored(inputs, path: str, fi
     assert err["param"] == field and "Unknown field" in err["message"], err
 
 
-@pytest.mark.parametrize("field,value", [("logprob_token_ids", [1, 2]), ("bad_words", ["x"]), ("request_id", "r1"),
+@pytest.mark.parametrize("field,value", [("bad_words", ["x"]), ("request_id", "r1"),
                                          ("truncate_prompt_tokens", 5), ("length_penalty", 0.5), ("store", True),
                                          ("verbosity", "low"), ("documents", [{"text": "x"}])])
 def test_known_fields_paxserve_cannot_honour_say_so(inputs, field: str, value) -> None:
@@ -289,3 +294,28 @@ def test_include_reasoning_false_splits_the_thinking_off_and_drops_it() -> None:
     deltas = [stream.feed(part) for part in ("<think>secret", " plan</think>The", " answer.")] + \
         [stream.feed("", final=True)]
     assert all("reasoning" not in d for d in deltas) and "".join(d.get("content", "") for d in deltas) == "The answer."
+
+
+def test_the_whole_vocabulary_of_logprobs_as_vllm_takes_it(inputs) -> None:
+    from dataclasses import replace
+
+    from paxserve.server.cli import build_parser
+    from paxserve.server.generation_spec import parse_chat_request, parse_completion_request
+    from paxserve.server.responses import chat_logprobs
+    from paxserve.outputs import Logprob
+
+    # A cap of 8: -1 (every token) is more than that, and the error says so.
+    err = refused(inputs, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1})
+    assert "the whole vocabulary" in err["message"] and err["param"] == "top_logprobs", err
+    # vLLM's --max-logprobs -1 (or a vocabulary-sized cap) lets it through to the engine.
+    for cap in ("-1", str(VOCAB_SIZE)):
+        assert build_parser().parse_args(["serve", "--max-logprobs", cap]).max_logprobs == int(cap)
+        settings = replace(SETTINGS, max_logprobs=int(cap))
+        assert parse_chat_request({**CHAT, "logprobs": True, "top_logprobs": -1}, settings).params.logprobs == -1
+        assert parse_completion_request({**COMPLETION, "logprobs": 50}, settings).params.logprobs == 50
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-logprobs", "-2"])
+    entry = {5: Logprob(-0.1, 1, "a"), 9: Logprob(-3.0, 2, "b"), 2: Logprob(-4.0, 3, "c")}
+    assert len(chat_logprobs([entry], [5], -1)["content"][0]["top_logprobs"]) == 3  # -1: all of them
+    with pytest.raises(ProtocolError, match="not supported"):  # prompt tokens: the top 20 at most
+        parse_completion_request({**COMPLETION, "prompt_logprobs": -1}, replace(SETTINGS, max_logprobs=-1))

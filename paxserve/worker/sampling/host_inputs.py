@@ -95,6 +95,13 @@ class SamplingInputs:
     draft_tokens: np.ndarray | None = None
     # i32 [S, k]: the proposals before each row in its sequence (-1 after them), for penalties.
     earlier_drafts: np.ndarray | None = None
+    # i32 [S, MAX_LOGPROBS]: the tokens whose logprobs a row reports instead of its top ones
+    # (logprob_token_ids, -1 after them; all -1: the top ones); None when no row has any, which the
+    # runner sends as a device array it keeps.
+    logprob_ids: np.ndarray | None = None
+    # bool [S]: the row wants more top logprobs than the columns hold (or all): the runner copies its
+    # whole log-softmax row too (`SampledTokens.wide`); None when no row does.
+    wide_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         s = self.temperature.shape[0]
@@ -198,6 +205,9 @@ class SampledTokens:
     # first_rows[i] + t (row i + t when the step verified nothing).
     row_tokens: list[list[int]] | None = None
     first_rows: list[int] | None = None
+    # Sampler row -> its whole log-softmax row (f32 [V]), for rows that asked for more top logprobs
+    # than the columns hold (SamplingInputs.wide_logprobs).
+    wide: dict[int, np.ndarray] | None = None
 
     def first_row(self, row: int) -> int:
         return row if self.first_rows is None else self.first_rows[row]
@@ -279,6 +289,9 @@ class SamplingColumns:
         self.repetition_penalty = np.ones(num_rows, np.float32)
         self.logprobs = np.zeros(num_rows, bool)
         self.state_row = np.zeros(num_rows, np.int32)
+        self.logprob_ids = np.full((num_rows, MAX_LOGPROBS), -1, np.int32)
+        self.has_logprob_ids = np.zeros(num_rows, bool)
+        self.wide_logprobs = np.zeros(num_rows, bool)
 
     def set_row(self, row: int, params: SamplingParams, seed: int, state_row: int) -> None:
         """Every column of `row` from a request's parameters (a new request overwrites all of them)."""
@@ -298,8 +311,13 @@ class SamplingColumns:
         self.presence_penalty[row] = params.presence_penalty if penalised else 0.0
         self.frequency_penalty[row] = params.frequency_penalty if penalised else 0.0
         self.repetition_penalty[row] = params.repetition_penalty if penalised else 1.0
-        self.logprobs[row] = params.logprobs is not None
+        self.logprobs[row] = params.wants_logprobs
         self.state_row[row] = state_row
+        ids = params.logprob_token_ids or ()
+        self.logprob_ids[row] = -1
+        self.logprob_ids[row, :len(ids)] = ids
+        self.has_logprob_ids[row] = bool(ids)
+        self.wide_logprobs[row] = params.wide_logprobs
 
     def gather(self, rows: np.ndarray, step: np.ndarray, keep: np.ndarray, num_rows: int,
                bitmask: np.ndarray | None = None) -> SamplingInputs:
@@ -314,6 +332,8 @@ class SamplingColumns:
             logprobs=self.logprobs[rows], state_row=self.state_row[rows], batch_row=rows.astype(np.int32),
             keep=keep.astype(bool),
             allowed_token_bitmask=bitmask, num_rows=num_rows, vocab_size=self.vocab_size,
+            logprob_ids=self.logprob_ids[rows] if self.has_logprob_ids[rows].any() else None,
+            wide_logprobs=self.wide_logprobs[rows] if self.wide_logprobs[rows].any() else None,
         )
 
 

@@ -46,15 +46,22 @@ class SamplingMetadata:
     batch_row: Int[Array, " S"]
     keep: Bool[Array, " S"]
     allowed_token_bitmask: Int[Array, "S W"]
+    logprob_ids: Int[Array, "S K"]  # chosen tokens whose logprobs a row reports (-1: none, the top ones)
 
     @classmethod
-    def from_inputs(cls, inputs: SamplingInputs, all_allowed: jax.Array | None = None) -> "SamplingMetadata":
+    def from_inputs(cls, inputs: SamplingInputs, all_allowed: jax.Array | None = None,
+                    no_logprob_ids: jax.Array | None = None) -> "SamplingMetadata":
         """Copy to the device. A step without constrained rows has no bitmask: `all_allowed`, an
-        all-ones [S, W] device array the caller keeps, stands in (made here when not given)."""
+        all-ones [S, W] device array the caller keeps, stands in (made here when not given); one
+        without logprob_token_ids likewise takes `no_logprob_ids`, all -1 [S, MAX_LOGPROBS]."""
         values = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(cls)}
+        s = inputs.temperature.shape[0]
         if values["allowed_token_bitmask"] is None:
-            shape = (inputs.temperature.shape[0], bitmask_width(inputs.vocab_size))
+            shape = (s, bitmask_width(inputs.vocab_size))
             values["allowed_token_bitmask"] = jnp.full(shape, -1, jnp.int32) if all_allowed is None else all_allowed
+        if values["logprob_ids"] is None:
+            values["logprob_ids"] = jnp.full((s, MAX_LOGPROBS), -1, jnp.int32) if no_logprob_ids is None \
+                else no_logprob_ids
         return cls(**{name: jnp.asarray(value) for name, value in values.items()})
 
 
@@ -206,11 +213,18 @@ def _top_k(logprobs: Float[Array, "N V"], k: int) -> tuple[Float[Array, "N k"], 
     return jnp.pad(ids.astype(jnp.float32), pad), jnp.pad(values, pad)
 
 
-def _logprob_columns(logits: Float[Array, "S V"], tokens: Int[Array, " S"], k: int) -> Float[Array, "S W"]:
+def _logprob_columns(logits: Float[Array, "S V"], tokens: Int[Array, " S"], k: int,
+                     chosen: Int[Array, "S K"]) -> Float[Array, "S W"]:
+    """The sampled token's logprob, then k ids and their logprobs: the top k, or for a row with
+    `chosen` tokens (logprob_token_ids) those, in the order asked."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     sampled = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
     top_ids, top_values = _top_k(logprobs, k)
-    return jnp.concatenate([sampled, top_ids, top_values], axis=-1)
+    own = chosen[:, :1] >= 0
+    chosen_values = jnp.where(chosen >= 0, jnp.take_along_axis(logprobs, jnp.maximum(chosen, 0), axis=-1), 0.0)
+    ids = jnp.where(own, chosen.astype(jnp.float32), top_ids)
+    values = jnp.where(own, chosen_values, top_values)
+    return jnp.concatenate([sampled, ids, values], axis=-1)
 
 
 def prompt_logprob_columns(logits: Float[Array, "T V"], targets: Int[Array, " T"], k: int) -> Float[Array, "T W"]:
@@ -235,7 +249,8 @@ def sample_tokens(logits: Float[Array, "S V"], md: SamplingMetadata, state: Samp
     tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda p, g: _draw(p, g, md), lambda p, g: g,
                           processed, greedy)
     width = 1 + 2 * MAX_LOGPROBS
-    columns = jax.lax.cond(jnp.any(md.logprobs), lambda: _logprob_columns(logits, tokens, MAX_LOGPROBS),
+    columns = jax.lax.cond(jnp.any(md.logprobs), lambda: _logprob_columns(logits, tokens, MAX_LOGPROBS,
+                                                                          md.logprob_ids),
                            lambda: jnp.zeros((logits.shape[0], width), jnp.float32))
     return tokens, jnp.concatenate([tokens.astype(jnp.float32)[:, None], columns], axis=-1)
 
