@@ -54,6 +54,7 @@ class MessagesRequest(CountTokensRequest):
     # Prompt caching is automatic here (prefix caching); a cache_control marker asks for nothing more.
     cache_control: dict[str, Any] | None = None
     speed: Literal["standard", "fast"] | None = None  # one speed: the engine's
+    priority: Int | None = None  # vLLM's, under --scheduling-policy priority (lower first)
     # Anthropic features that need Anthropic's servers: a 400 when sent.
     container: Any = None
     mcp_servers: Any = None
@@ -211,7 +212,8 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
         "parallel_tool_calls": parallel, "max_tokens": max_tokens, "chat_template_kwargs": template_kwargs(req, max_tokens),
     }
     if isinstance(req, MessagesRequest):
-        body.update(stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+        body.update(stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    priority=req.priority)
         config = req.output_config
         if config is not None and config.format is not None:
             if config.format.get("type") != "json_schema" or not isinstance(config.format.get("schema"), dict):

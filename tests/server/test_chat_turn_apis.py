@@ -221,6 +221,15 @@ def test_messages_blocks_fold_into_chat_messages() -> None:
     assert spec.params.structured_outputs is not None  # "any" forces a call
 
 
+def test_priority_reaches_the_engine_from_both_apis() -> None:
+    # (Under fcfs the input processor refuses a nonzero priority, as for chat; see test_priority_server.)
+    _, spec = parse_messages_request({"model": MODEL_NAME, "max_tokens": 4, "priority": -3,
+                                      "messages": [{"role": "user", "content": "Hi"}]}, SETTINGS)
+    assert spec.priority == -3
+    _, spec, _ = _responses({"input": "Hi", "priority": 5})
+    assert spec.priority == 5
+
+
 @pytest.mark.parametrize("body, mentions", [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": []}, "messages"),
