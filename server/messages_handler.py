@@ -95,6 +95,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_serving()
     req = parse_body(CountTokensRequest, await read_json(request, state))
+    check_supported(req)
     chat = parse_body(ChatCompletionRequest, chat_body(req))
     check_model(chat.model, state.settings)
     tools = parse_tools(chat, state.settings).tools or None

@@ -38,6 +38,26 @@ class CountTokensRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's name for output_config.format
+    # Prompt caching is automatic here (prefix caching); a cache_control marker asks for nothing more.
+    cache_control: dict[str, Any] | None = None
+    speed: Literal["standard", "fast"] | None = None  # one speed: the engine's
+    user_profile_id: StrictStr | None = None  # tracking ids: they ask nothing of generation
+    workspace_id: StrictStr | None = None
+    # The context-management beta edits an over-long conversation on Anthropic's servers; here a
+    # conversation past the context is a 400 instead, so the field changes nothing that runs.
+    context_management: dict[str, Any] | None = None
+    # Anthropic features that need Anthropic's servers: a 400 when sent.
+    container: Any = None
+    mcp_servers: Any = None
+    diagnostics: Any = None
+    inference_geo: Any = None
+    compaction: Any = None
+    fallbacks: Any = None
+    fallback_credit_token: Any = None
+    billing_policy: Any = None
+    thread: Any = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -48,22 +68,14 @@ class MessagesRequest(CountTokensRequest):
     temperature: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[Int, Field(ge=0)] | None = None
-    output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    # Prompt caching is automatic here (prefix caching); a cache_control marker asks for nothing more.
-    cache_control: dict[str, Any] | None = None
-    speed: Literal["standard", "fast"] | None = None  # one speed: the engine's
     priority: Int | None = None  # vLLM's, under --scheduling-policy priority (lower first)
-    # Anthropic features that need Anthropic's servers: a 400 when sent.
-    container: Any = None
-    mcp_servers: Any = None
-    diagnostics: Any = None
-    inference_geo: Any = None
 
 
 def check_supported(req: CountTokensRequest) -> None:
-    for name in ("container", "mcp_servers", "diagnostics", "inference_geo"):
+    for name in ("container", "mcp_servers", "diagnostics", "inference_geo", "compaction", "fallbacks",
+                 "fallback_credit_token", "billing_policy", "thread"):
         if getattr(req, name, None) not in (None, [], {}):
             raise ProtocolError(f"`{name}` is not supported by paxserve", param=name)
 
@@ -215,12 +227,12 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
         body.update(stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     priority=req.priority)
         config = req.output_config
-        if config is not None and config.format is not None:
-            if config.format.get("type") != "json_schema" or not isinstance(config.format.get("schema"), dict):
+        fmt = config.format if config is not None and config.format is not None else req.output_format
+        if fmt is not None:
+            if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
                 raise ProtocolError("output_config.format must be {'type': 'json_schema', 'schema': {...}}",
                                     param="output_config")
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "output", "schema": config.format["schema"]}}
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
         if config is not None and config.effort is not None:
             body["chat_template_kwargs"] = {**(body["chat_template_kwargs"] or {}), "reasoning_effort": config.effort}
     return {k: v for k, v in body.items() if v is not None}

@@ -221,6 +221,18 @@ def test_messages_blocks_fold_into_chat_messages() -> None:
     assert spec.params.structured_outputs is not None  # "any" forces a call
 
 
+def test_what_claude_code_and_the_beta_api_send_is_accepted() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    _, spec = _messages({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}],
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        "cache_control": {"type": "ephemeral"}, "context_management": {"edits": []}, "user_profile_id": "u",
+        "workspace_id": "w", "speed": "standard", "metadata": {"user_id": "x"},
+        "output_format": {"type": "json_schema", "schema": schema}, "output_config": {"effort": "high"}})
+    assert spec.params.structured_outputs is not None and spec.chat_template_kwargs == {"reasoning_effort": "high"}
+    assert spec.messages[0] == {"role": "system", "content": "Be brief."}
+
+
 def test_priority_reaches_the_engine_from_both_apis() -> None:
     # (Under fcfs the input processor refuses a nonzero priority, as for chat; see test_priority_server.)
     _, spec = parse_messages_request({"model": MODEL_NAME, "max_tokens": 4, "priority": -3,
@@ -241,6 +253,8 @@ def test_priority_reaches_the_engine_from_both_apis() -> None:
     ({"temperature": 1.5}, "temperature"),
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"output_config": {"format": {"type": "regex"}}}, "output_config"),
+    ({"compaction": {"type": "auto"}}, "compaction"),
+    ({"max_tokenz": 5}, "Unknown field"),
 ])
 def test_bad_messages_bodies_name_their_field(body, mentions) -> None:
     full = {"messages": [{"role": "user", "content": "Hi"}], **body}
