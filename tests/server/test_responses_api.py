@@ -6,6 +6,7 @@ is what the endpoint translates it into."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Literal
 
@@ -153,6 +154,21 @@ def test_previous_response_id_continues_a_stored_conversation(server, client) ->
 ], ids=["unknown item", "hosted tool", "image", "zero tokens", "too long", "background", "wrong type"])
 def test_bad_input_is_a_400_envelope_naming_the_field(server, body, param, mentions) -> None:
     assert_error(server.post("/v1/responses", {"model": MODEL_NAME, **body}), 400, param=param, mentions=mentions)
+
+
+def test_bad_requests_to_both_apis_leave_a_running_stream_undisturbed(server, client) -> None:
+    kwargs = dict(model=MODEL_NAME, input=QUESTION, max_output_tokens=24, **GREEDY)
+    alone = client.responses.create(**kwargs).output_text
+    with client.responses.stream(**kwargs) as stream:
+        events = iter(stream)
+        text = "".join(e.delta for e in itertools.islice(events, 6) if e.type == "response.output_text.delta")
+        for path, body in (("/v1/responses", {"model": MODEL_NAME, "input": [{"type": "nope"}]}),
+                           ("/v1/messages", {"model": MODEL_NAME, "max_tokens": 4, "messages": "Hi"}),
+                           ("/v1/messages", {"model": MODEL_NAME, "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "x " * 900}]})):
+            assert 400 <= server.post(path, body).status < 500
+        text += "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == alone
 
 
 def test_an_agent_with_a_function_tool_runs_through_the_server(server) -> None:
