@@ -212,6 +212,57 @@ def device_parts(model: str, prompt_tokens: int, tokens: int, dtype: str) -> dic
             "logits matmul (f32)": statistics.median(matmul), "weight_bytes": float(weight_bytes)}
 
 
+def profile_ops(model: str, prompt_tokens: int, tokens: int, dtype: str, top: int = 12) -> list[dict[str, Any]]:
+    """The decode steps' device ops by XLA name, from a JAX profiler trace of a synchronous engine
+    (the request's programs compiled before it): milliseconds and runs per decode step, and the op's
+    result shape from the decode program's HLO."""
+    import gzip
+    import re
+
+    import jax
+
+    from paxserve import Engine, SamplingParams
+
+    engine = Engine(model, max_model_len=prompt_tokens + tokens + 16, max_num_seqs=4, seed=0, dtype=dtype,
+                    async_scheduling=False, kv_cache_memory_bytes=KV_BYTES)
+    runner = engine.parts.core.runner
+    keys: list[tuple] = []
+    original_run = runner._run
+
+    def run(key: tuple, *args: Any) -> Any:
+        keys.append(key)
+        return original_run(key, *args)
+
+    runner._run = run
+    prompt = np.random.default_rng(1).integers(100, 40000, prompt_tokens).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    engine.generate([prompt], params, use_tqdm=False)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        engine.generate([prompt], params, use_tqdm=False)
+        jax.profiler.stop_trace()
+        trace = json.load(gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))))
+    runner._run = original_run
+    hlo = runner.programs.get([k for k in keys if k[0] == runner.decode_kind][-1]).as_text()
+    engine.close()
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in trace["traceEvents"]:
+        thread = names.get((e.get("pid"), e.get("tid")), "")
+        if e.get("ph") == "X" and thread.startswith("tf_XLA") and not e["name"].startswith(("ThunkExecutor", "Slinky")):
+            total[e["name"]] += e["dur"] / 1e3
+            count[e["name"]] += 1
+    steps = tokens - 1  # the decode steps (the first token comes from the prefill)
+    rows = []
+    for name in sorted(total, key=total.get, reverse=True)[:top]:
+        shape = re.search(rf"%{re.escape(name)} = (\S+)", hlo)
+        rows.append({"op": name, "ms_per_step": total[name] / steps, "runs_per_step": count[name] / steps,
+                     "result": shape.group(1) if shape else "?"})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint or GGUF (default: the bundled SmolLM2)")
@@ -224,6 +275,8 @@ def main() -> None:
                         help="the machine's memory bandwidth (benchmarks/roofline.py measures it)")
     parser.add_argument("--layer-split", action="store_true",
                         help="also time the forward of SmolLM2-shaped random models with 1 and 30 layers")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list the decode step's costliest device ops (a JAX profiler trace)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
@@ -263,6 +316,11 @@ def main() -> None:
                                  "per layer": per_layer, "outside the layers": forward[1] - per_layer}
         print("layer split (SmolLM2 shapes, float32): " + ", ".join(
             f"{k} {1e3 * v:.2f} ms" for k, v in result["layer_split"].items()), flush=True)
+    if args.profile:
+        result["ops"] = profile_ops(model, args.prompt_tokens, 16, args.dtype)
+        print("device ops per decode step:")
+        for row in result["ops"]:
+            print(f"  {row['ms_per_step']:7.2f} ms  x{row['runs_per_step']:5.1f}  {row['op']}  {row['result']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:

@@ -28,3 +28,10 @@ def test_the_plot_is_drawn(tmp_path: Path) -> None:
               "device": {"forward": 4e-3, "sampler": 1e-4, "weight read bound": 1e-3}}
     breakdown.plot(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_the_profile_names_the_decode_steps_costliest_device_ops(tmp_path: Path) -> None:
+    breakdown.write_llama(tmp_path, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, bf16=False)
+    rows = breakdown.profile_ops(str(tmp_path), prompt_tokens=8, tokens=6, dtype="float32", top=5)
+    assert 0 < len(rows) <= 5 and all(r["ms_per_step"] >= 0 and r["runs_per_step"] > 0 for r in rows)
+    assert rows == sorted(rows, key=lambda r: -r["ms_per_step"])
