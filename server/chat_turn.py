@@ -5,19 +5,25 @@ n = 1), run it like /v1/chat/completions, and build their own objects from these
 Each piece is what one engine output added, already through the request's reasoning and tool-call
 parsers (the same ChoiceStream a streamed chat completion uses). Both APIs build their answer from
 the pieces whether or not the client streams, so a non-streamed answer is the streamed one's final
-object by construction.
+object by construction: `answer_turn` runs the same builder for both.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+from aiohttp import web
 
 from paxserve.outputs import RequestOutput
 from paxserve.server import responses as R
-from paxserve.server.errors import ProtocolError
+from paxserve.server.errors import ProtocolError, internal_error
 from paxserve.server.generation import GenerationRun, ServerShutdown
 from paxserve.server.generation_spec import GenerationSpec
+from paxserve.server.streaming import send_typed_event, start_stream
+
+logger = logging.getLogger("paxserve.server")
 
 
 @dataclass(slots=True)
@@ -98,3 +104,66 @@ def call_updates(piece: TurnPiece, calls: dict[int, CallDraft]) -> list[tuple[in
         calls[index].arguments += args
         updates.append((index, calls[index], args, new))
     return updates
+
+
+class TurnBuilder(Protocol):
+    """An API's answer built from a turn's pieces: each call returns the stream events it makes."""
+
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def feed(self, piece: TurnPiece) -> list[dict[str, Any]]: ...
+
+    def finish(self, finish_reason: str | None, stop_reason: int | str | None) -> list[dict[str, Any]]: ...
+
+    def fail(self, err: ProtocolError) -> list[dict[str, Any]]: ...
+
+    def final(self) -> dict[str, Any]: ...
+
+
+async def _build(spec: GenerationSpec, run: GenerationRun, first: tuple[int, RequestOutput], builder: TurnBuilder,
+                 emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    for event in builder.start():
+        await emit(event)
+    finish = stop = None
+    async for piece in turn_pieces(spec, run, first):
+        if piece.finish_reason is not None:
+            finish, stop = piece.finish_reason, piece.stop_reason
+        for event in builder.feed(piece):
+            await emit(event)
+    for event in builder.finish(finish, stop):
+        await emit(event)
+
+
+async def _drop(event: dict[str, Any]) -> None:
+    pass
+
+
+async def answer_turn(request: web.Request, spec: GenerationSpec, run: GenerationRun,
+                      first: tuple[int, RequestOutput], builder: TurnBuilder, stream: bool) -> web.StreamResponse:
+    """The turn as typed SSE events, or as the builder's final object. Once the stream has started,
+    a failure is the builder's own failure events; a client that goes away ends it quietly (closing
+    the run aborts the request)."""
+    if not stream:
+        await _build(spec, run, first, builder, _drop)
+        return web.json_response(builder.final())
+    resp = await start_stream(request)
+
+    async def send(event: dict[str, Any]) -> None:
+        await send_typed_event(resp, event)
+
+    try:
+        await _build(spec, run, first, builder, send)
+        await resp.write_eof()
+    except ConnectionError:
+        logger.debug("client disconnected from %s", run.id)
+    except Exception as e:  # noqa: BLE001 - the 200 is sent: the failure is the stream's last event
+        if not isinstance(e, ProtocolError):
+            logger.exception("error while streaming %s", run.id)
+        err = e if isinstance(e, ProtocolError) else internal_error()
+        try:
+            for event in builder.fail(err):
+                await send(event)
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+    return resp

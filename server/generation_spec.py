@@ -174,19 +174,19 @@ def _stream_flags(req: SamplingFields, spec: GenerationSpec, settings: ServerSet
 def completion_spec(req: CompletionRequest, settings: ServerSettings) -> GenerationSpec:
     model = check_model(req.model, settings)
     _check_logprobs(req.logprobs, "logprobs", settings)
-    if req.logprob_token_ids and req.logprobs is None:  # vLLM's: the chosen tokens' logprobs are the output's
-        req = req.model_copy(update={"logprobs": 0})
+    # vLLM's: with logprob_token_ids, the chosen tokens' logprobs are the output's even without `logprobs`.
+    logprobs = 0 if req.logprob_token_ids and req.logprobs is None else req.logprobs
     echo = bool(req.echo)
     max_name = req.max_tokens_field
     max_tokens = req.max_tokens_value if req.max_tokens_value is not None else 16
     structured, structured_param = parse_structured_outputs(req)
     prompt_logprobs = req.prompt_logprobs
-    if echo and req.logprobs is not None:  # OpenAI: the echoed prompt's tokens come with their logprobs too
-        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
-    params = _sampling_params(req, settings, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+    if echo and logprobs is not None:  # OpenAI: the echoed prompt's tokens come with their logprobs too
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
+    params = _sampling_params(req, settings, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               max_tokens=max_tokens, renames=field_renames("completion", max_name),
                               structured=structured, skip_special_tokens=req.skip_special_tokens is not False)
-    spec = GenerationSpec("completion", model, params, prompts=req.prompt_list(), echo=echo, logprobs=req.logprobs,
+    spec = GenerationSpec("completion", model, params, prompts=req.prompt_list(), echo=echo, logprobs=logprobs,
                           cache_salt=req.cache_salt, structured_param=structured_param, max_tokens_param=max_name,
                           lora_request=settings.lora(model), priority=req.priority or 0, add_special_tokens=True)
     return _stream_flags(req, spec, settings)

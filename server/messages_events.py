@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from paxserve.server.chat_turn import CallDraft, TurnPiece, TurnUsage, call_updates
+from paxserve.server.errors import ProtocolError, anthropic_envelope
 
 def anthropic_usage(usage: TurnUsage) -> dict[str, Any]:
     """Anthropic counts prompt tokens read from the cache apart from the rest."""
@@ -42,7 +43,8 @@ class MessageBuilder:
         self._calls: dict[int, CallDraft] = {}
         self._call_blocks: dict[int, int] = {}
 
-    def message(self) -> dict[str, Any]:
+    def final(self) -> dict[str, Any]:
+        """The whole message."""
         content = []
         for block in self.content:
             block = dict(block)
@@ -54,7 +56,7 @@ class MessageBuilder:
                 "usage": anthropic_usage(self.usage)}
 
     def start(self) -> list[dict[str, Any]]:
-        message = self.message()
+        message = self.final()
         message["usage"] = {**message["usage"], "output_tokens": 0}
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
@@ -96,6 +98,10 @@ class MessageBuilder:
                 events.append({"type": "content_block_delta", "index": index,
                                "delta": {"type": "input_json_delta", "partial_json": args}})
         return events
+
+    def fail(self, err: ProtocolError) -> list[dict[str, Any]]:
+        """Anthropic's error event ends a stream that failed."""
+        return [anthropic_envelope(err)]
 
     def finish(self, finish_reason: str | None, stop_reason: int | str | None) -> list[dict[str, Any]]:
         if finish_reason == "length":

@@ -134,24 +134,21 @@ class ServerMetrics:
                                        ["model_name", "finished_reason"], registry=registry)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              labels, buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             labels, buckets=ITL_BUCKETS, registry=registry).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Histogram of end to end request latency in seconds.", labels, buckets=E2E_BUCKETS,
-                             registry=registry).labels(model_name)
-        token_buckets = _1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens",
-                                               "Number of prefill tokens processed.", labels, buckets=token_buckets,
-                                               registry=registry).labels(model_name)
-        self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens",
-                                                   "Number of generation tokens processed.", labels,
-                                                   buckets=token_buckets, registry=registry).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: Iterable[float]) -> Any:
             return Histogram(PREFIX + name, doc, labels, buckets=tuple(buckets), registry=registry).labels(model_name)
 
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                             E2E_BUCKETS)
+        token_buckets = _1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Histogram of time spent waiting before first scheduled, in seconds.", E2E_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds",

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from paxserve.server.chat_turn import CallDraft, TurnPiece, TurnUsage, call_updates
+from paxserve.server.errors import ProtocolError
 
 
 def new_id(prefix: str) -> str:
@@ -153,9 +154,12 @@ class ResponseBuilder:
 
     # ---- the end ----------------------------------------------------------------------------------
 
-    def finish(self, finish_reason: str | None) -> list[dict[str, Any]]:
+    def final(self) -> dict[str, Any]:
+        return self.response()
+
+    def finish(self, finish_reason: str | None, stop_reason: int | str | None = None) -> list[dict[str, Any]]:
         """Close every item and end the response: completed, or incomplete when the output limit
-        (max_output_tokens or the context) cut it."""
+        (max_output_tokens or the context) cut it. (What stopped it otherwise is not in a response.)"""
         cut = finish_reason == "length"
         events = []
         for index in range(len(self.output)):
@@ -166,9 +170,9 @@ class ResponseBuilder:
         self.status = "completed"
         return events + [self._event("response.completed", response=self.response())]
 
-    def fail(self, message: str, code: str = "server_error") -> list[dict[str, Any]]:
+    def fail(self, err: ProtocolError) -> list[dict[str, Any]]:
         self.status = "failed"
-        self.error = {"code": code, "message": message}
+        self.error = {"code": "server_error", "message": err.message}
         for item in self.output:
             if item["status"] == "in_progress":
                 item["status"] = "incomplete"

@@ -7,7 +7,6 @@ ResponseBuilder, so the object a non-streamed request gets is the streamed one's
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -15,8 +14,8 @@ from aiohttp import web
 
 from paxserve.outputs import RequestOutput
 from paxserve.server.auth import presented_key
-from paxserve.server.chat_turn import TurnUsage, turn_pieces
-from paxserve.server.errors import ProtocolError, internal_error
+from paxserve.server.chat_turn import TurnUsage, answer_turn
+from paxserve.server.errors import ProtocolError
 from paxserve.server.generation import GenerationRun
 from paxserve.server.generation_spec import GenerationSpec, chat_spec
 from paxserve.server.handlers import serve_generation
@@ -27,9 +26,6 @@ from paxserve.server.responses_events import ResponseBuilder, new_id
 from paxserve.server.responses_request import (ResponsesRequest, chat_body, check_supported, input_messages,
                                                output_messages, renamed)
 from paxserve.server.state import STATE, ServerState
-from paxserve.server.streaming import send_typed_event, start_stream
-
-logger = logging.getLogger("paxserve.server")
 
 
 def _history(state: ServerState, req: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
@@ -88,53 +84,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     async def respond(run: GenerationRun, first: tuple[int, RequestOutput]) -> web.StreamResponse:
         builder.usage.prompt_tokens = len(run.prompts[0].token_ids)
-        if req.stream:
-            return await _stream(request, state, spec, run, first, builder, conversation, owner)
-        finish = None
-        async for piece in turn_pieces(spec, run, first):
-            builder.feed(piece)
-            finish = piece.finish_reason or finish
-        builder.finish(finish)
-        _store(state, builder, conversation, owner)
-        return web.json_response(builder.response())
+        resp = await answer_turn(request, spec, run, first, builder, bool(req.stream))
+        if stored and builder.status in ("completed", "incomplete"):  # not failed, nor cut off by the client
+            state.responses.put(owner, StoredResponse(builder.response(), conversation))
+        return resp
 
     return await serve_generation(request, state, spec, arrival, respond=respond, run_id=builder.id, rename=renamed)
-
-
-def _store(state: ServerState, builder: ResponseBuilder, conversation: list[dict[str, Any]], owner: str) -> None:
-    if builder.base["store"] and state.responses is not None and builder.status != "failed":
-        state.responses.put(owner, StoredResponse(builder.response(), conversation))
-
-
-async def _stream(request: web.Request, state: ServerState, spec: GenerationSpec, run: GenerationRun,
-                  first: tuple[int, RequestOutput], builder: ResponseBuilder, conversation: list[dict[str, Any]],
-                  owner: str) -> web.StreamResponse:
-    resp = await start_stream(request)
-    try:
-        for event in builder.start():
-            await send_typed_event(resp, event)
-        finish = None
-        async for piece in turn_pieces(spec, run, first):
-            finish = piece.finish_reason or finish
-            for event in builder.feed(piece):
-                await send_typed_event(resp, event)
-        for event in builder.finish(finish):
-            await send_typed_event(resp, event)
-        _store(state, builder, conversation, owner)
-        await resp.write_eof()
-    except ConnectionError:  # the client went away; closing the run aborts the request
-        logger.debug("client disconnected from %s", run.id)
-    except Exception as e:  # noqa: BLE001 - the 200 is sent: the failure is the stream's last event
-        err = e if isinstance(e, ProtocolError) else internal_error()
-        if not isinstance(e, ProtocolError):
-            logger.exception("error while streaming %s", run.id)
-        try:
-            for event in builder.fail(err.message):
-                await send_typed_event(resp, event)
-            await resp.write_eof()
-        except ConnectionError:
-            pass
-    return resp
 
 
 def _store_or_404(request: web.Request) -> tuple[ServerState, str, str]:

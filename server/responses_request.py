@@ -114,8 +114,9 @@ def _text(content: Any, where: str) -> str:
 
 
 def _assistant(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The assistant message the next output item belongs to: the last one, or a new one."""
-    if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("_closed"):
+    """The assistant message the next output item belongs to: the last one, or a new one (a tool
+    result or a user turn in between starts a new one)."""
+    if messages and messages[-1]["role"] == "assistant":
         return messages[-1]
     message: dict[str, Any] = {"role": "assistant", "content": None}
     messages.append(message)
@@ -158,8 +159,6 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             if not isinstance(call_id, str):
                 raise ProtocolError(f"`{where}.call_id` must be a string", param="input")
             text = output if isinstance(output, str) else _text(output, f"{where}.output")
-            if messages and messages[-1]["role"] == "assistant":
-                messages[-1]["_closed"] = True
             messages.append({"role": "tool", "content": text, "tool_call_id": call_id})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
@@ -175,8 +174,6 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                                 "function_call_output and reasoning items", param="input")
         if kind != "reasoning":
             pending_reasoning = []
-    for message in messages:
-        message.pop("_closed", None)
     return messages
 
 

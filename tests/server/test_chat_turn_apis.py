@@ -76,7 +76,7 @@ def test_a_responses_stream_builds_reasoning_then_message_then_call(cuts) -> Non
     for piece in _pieces(OUTPUT, cuts):
         events += builder.feed(piece)
         finish = piece.finish_reason or finish
-    events += builder.finish(finish)
+    events += builder.finish(finish, None)
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed" and final["status"] == "completed"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -104,7 +104,7 @@ def test_a_messages_stream_builds_thinking_then_text_then_tool_use(cuts) -> None
         events += builder.feed(piece)
         finish = piece.finish_reason or finish
     events += builder.finish(finish, None)
-    message = builder.message()
+    message = builder.final()
     assert [b["type"] for b in message["content"]] == ["thinking", "text", "tool_use"]
     thinking, text, use = message["content"]
     assert thinking["thinking"] == "The user wants the weather." and text["text"].endswith("in Paris.")
@@ -129,17 +129,17 @@ def test_an_output_cut_inside_a_call_is_incomplete_in_both_apis() -> None:
     for piece in pieces:
         responses.feed(piece)
         messages.feed(piece)
-    events = responses.finish("length")
+    events = responses.finish("length", None)
     assert events[-1]["type"] == "response.incomplete"
     assert responses.response()["incomplete_details"] == {"reason": "max_output_tokens"}
     assert responses.output[-1]["status"] == "incomplete"
     messages.finish("length", None)
-    assert messages.message()["stop_reason"] == "max_tokens"
+    assert messages.final()["stop_reason"] == "max_tokens"
 
 
 def test_a_failed_response_says_why() -> None:
     builder = ResponseBuilder("resp_x", {}, TurnUsage(3))
-    [event] = builder.fail("the engine stopped")
+    [event] = builder.fail(ProtocolError("the engine stopped", status=503))
     assert event["type"] == "response.failed" and event["response"]["error"]["message"] == "the engine stopped"
     assert anthropic_envelope(ProtocolError("overloaded", status=503))["error"]["type"] == "api_error"
 

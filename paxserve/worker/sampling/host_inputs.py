@@ -289,8 +289,7 @@ class SamplingColumns:
         self.repetition_penalty = np.ones(num_rows, np.float32)
         self.logprobs = np.zeros(num_rows, bool)
         self.state_row = np.zeros(num_rows, np.int32)
-        self.logprob_ids = np.full((num_rows, MAX_LOGPROBS), -1, np.int32)
-        self.has_logprob_ids = np.zeros(num_rows, bool)
+        self.logprob_ids = np.full((num_rows, MAX_LOGPROBS), -1, np.int32)  # -1 first: the row has none
         self.wide_logprobs = np.zeros(num_rows, bool)
 
     def set_row(self, row: int, params: SamplingParams, seed: int, state_row: int) -> None:
@@ -316,7 +315,6 @@ class SamplingColumns:
         ids = params.logprob_token_ids or ()
         self.logprob_ids[row] = -1
         self.logprob_ids[row, :len(ids)] = ids
-        self.has_logprob_ids[row] = bool(ids)
         self.wide_logprobs[row] = params.wide_logprobs
 
     def gather(self, rows: np.ndarray, step: np.ndarray, keep: np.ndarray, num_rows: int,
@@ -332,7 +330,7 @@ class SamplingColumns:
             logprobs=self.logprobs[rows], state_row=self.state_row[rows], batch_row=rows.astype(np.int32),
             keep=keep.astype(bool),
             allowed_token_bitmask=bitmask, num_rows=num_rows, vocab_size=self.vocab_size,
-            logprob_ids=self.logprob_ids[rows] if self.has_logprob_ids[rows].any() else None,
+            logprob_ids=self.logprob_ids[rows] if (self.logprob_ids[rows, 0] >= 0).any() else None,
             wide_logprobs=self.wide_logprobs[rows] if self.wide_logprobs[rows].any() else None,
         )
 
