@@ -14,23 +14,16 @@ Medians of `--runs`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _timed(fn: Callable[..., Any], *args: Any, runs: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import timed as _timed  # noqa: E402 - a sibling script: the median of blocked runs
 
 
 def measure(hidden: int, inter: int, kv: int, layers: int, runs: int) -> dict[str, float]:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 import openai
@@ -119,27 +120,31 @@ def test_32_concurrent_streams_all_complete_with_exact_token_counts(server) -> N
 # ---- disconnects -----------------------------------------------------------------------------------
 
 
+def stream_then_drop(server, path: str, body: dict, counts: Callable[[bytes], bool], lines: int) -> tuple[float, float]:
+    """Stream `body` from `path` until `lines` SSE lines that `counts` accepts came, read the running
+    requests and KV usage while still connected, then drop the connection mid-stream."""
+    async def run() -> tuple[float, float]:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"{server.url}{path}", json=body, headers=server.auth_headers())
+            assert resp.status == 200, await resp.text()
+            seen = 0
+            async for line in resp.content:
+                seen += counts(line)
+                if seen >= lines:
+                    break
+            # Still connected: the request runs and holds KV blocks.
+            busy = await asyncio.to_thread(server.metric, RUNNING), await asyncio.to_thread(server.metric, KV_USAGE)
+            resp.close()
+            return busy
+
+    return asyncio.run(run())
+
+
 def test_client_disconnecting_mid_stream_aborts_and_frees_its_blocks(server) -> None:
     server.wait_idle()
     body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-
-    async def stream_then_drop() -> tuple[float, float]:
-        async with aiohttp.ClientSession() as session:
-            resp = await session.post(f"{server.url}/v1/completions", json=body, headers=server.auth_headers())
-            assert resp.status == 200, await resp.text()
-            events = 0
-            async for line in resp.content:
-                if line.startswith(b"data: "):
-                    events += 1
-                    if events >= 3:
-                        break
-            # Still connected: the request runs and holds KV blocks.
-            busy = await asyncio.to_thread(server.metric, RUNNING), await asyncio.to_thread(server.metric, KV_USAGE)
-            resp.close()  # drop the connection mid-stream
-            return busy
-
-    running, kv = asyncio.run(stream_then_drop())
+    running, kv = stream_then_drop(server, "/v1/completions", body, lambda line: line.startswith(b"data: "), 3)
     assert running == 1 and kv > 0, (running, kv)
     wait_freed(server)
     # The server goes on serving.
@@ -156,21 +161,7 @@ STORY = "Write a very long story about a dragon and a knight, with many chapters
 def test_disconnecting_from_a_responses_or_messages_stream_frees_its_blocks(server, path, body) -> None:
     server.wait_idle()
     body = {"model": MODEL_NAME, "temperature": 0, "stream": True, **body}
-
-    async def stream_then_drop() -> tuple[float, float]:
-        async with aiohttp.ClientSession() as session:
-            resp = await session.post(f"{server.url}{path}", json=body, headers=server.auth_headers())
-            assert resp.status == 200, await resp.text()
-            deltas = 0
-            async for line in resp.content:
-                deltas += line.startswith(b"data: ") and b"delta" in line
-                if deltas >= 4:
-                    break
-            busy = await asyncio.to_thread(server.metric, RUNNING), await asyncio.to_thread(server.metric, KV_USAGE)
-            resp.close()
-            return busy
-
-    running, kv = asyncio.run(stream_then_drop())
+    running, kv = stream_then_drop(server, path, body, lambda line: line.startswith(b"data: ") and b"delta" in line, 4)
     assert running == 1 and kv > 0, (running, kv)
     wait_freed(server)
 
