@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 @struct.dataclass
 class LayerParams:
-    """One field per weight, each with a leading `num_layers` axis; matrices are [in, out]. Fields a
-    family does not have are None."""
+    """One field per weight, each with a leading `num_layers` axis (as loaded; the engine serves
+    from one `LayerParams` per layer without it, models/layer_split.py); matrices are [in, out].
+    Fields a family does not have are None."""
 
     attn_norm: Float[Array, "L H"]
     qkv_w: Float[Array, "L H QKV"]  # q, k and v projections side by side
@@ -61,7 +62,7 @@ class LayerParams:
 @struct.dataclass
 class DecoderParams:
     embed: Float[Array, "V H"] | GroupQuantizedWeight  # a GGUF embedding kept quantized (a `table`)
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]  # stacked, or split per layer (models/layer_split.py)
     final_norm: Float[Array, " H"]
     final_norm_b: Float[Array, " H"] | None = None
     lm_head: Float[Array, "H V"] | None = None  # None when tied to the embedding
@@ -109,6 +110,9 @@ def forward(
     attention implementation: the XLA reference by default, or the Pallas kernel. With
     `aux_layers` (static; an EAGLE-3 head reads them), also the residual stream entering each of
     those layers at every token, side by side ([T, len(aux_layers) x hidden]).
+
+    Stacked `params.layers` run in a `lax.scan` (a short compile; each pass copies the layer's
+    weights out of the stack); split ones (a tuple, what the engine serves with) run unrolled.
 
     With `tp`, this runs on one device inside `shard_map` (models/sharding.py): `cfg` and `params`
     are that device's share, the row-parallel products are summed over `tp.axis`, and the
@@ -247,7 +251,12 @@ def forward(
     carry = (x, kv_cache.k, kv_cache.v)
     if aux_layers:
         carry += (jnp.zeros((len(aux_layers), *x.shape), x.dtype),)
-    (x, k_cache, v_cache, *aux), _ = jax.lax.scan(layer, carry, (params.layers, scanned))
+    if isinstance(params.layers, tuple):  # one array per layer (models/layer_split.py): unrolled, no slicing
+        for i, layer_params in enumerate(params.layers):
+            carry, _ = layer(carry, (layer_params, jax.tree.map(lambda a: a[i], scanned)))
+        x, k_cache, v_cache, *aux = carry
+    else:
+        (x, k_cache, v_cache, *aux), _ = jax.lax.scan(layer, carry, (params.layers, scanned))
     h = norm(cfg.norm, x[metadata.logits_indices], params.final_norm, params.final_norm_b, eps)
     head = params.lm_head
     if isinstance(head, GroupQuantizedWeight):  # kept quantized: its own kernel, or dequantized by XLA

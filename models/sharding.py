@@ -230,8 +230,17 @@ class TensorParallel:
         return P(*(TP_AXIS if a == rule.axis else None for a in range(len(shape))))
 
     def param_specs(self, params: Any) -> Any:
-        """A pytree of PartitionSpecs matching `params` (arrays or ShapeDtypeStructs)."""
-        return map_fields(lambda path, leaf: self.spec(path, tuple(leaf.shape)), params)
+        """A pytree of PartitionSpecs matching `params` (arrays or ShapeDtypeStructs), stacked or
+        with their layers split (models/layer_split.py: "layers.[3].qkv_w" is split as one layer
+        of "layers.qkv_w")."""
+        def spec(path: str, leaf: Any) -> P:
+            head, sep, rest = path.partition(".[")
+            if not sep:
+                return self.spec(path, tuple(leaf.shape))
+            stacked = f"{head}.{rest.partition('].')[2]}"
+            return P(*tuple(self.spec(stacked, (1, *leaf.shape)))[1:])
+
+        return map_fields(spec, params)
 
     def reorder(self, path: str, array: np.ndarray) -> np.ndarray:
         """The field as this split stores it: fused axes regrouped per device, KV heads repeated

@@ -33,6 +33,7 @@ import numpy as np
 from paxserve.core.request import Request
 from paxserve.kernels import AttentionBackend
 from paxserve.models.loader import LoadedModel
+from paxserve.models.layer_split import take_over_layers
 from paxserve.models.quant_weights import matmul_kernel
 from paxserve.worker.model_runner import host_copy, zeroed_kv_cache
 from paxserve.worker.programs import Programs, environment_fingerprint, source_fingerprint
@@ -64,6 +65,7 @@ class DraftModel:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, attention_backend: AttentionBackend,
                  max_tokens_per_pass: int, fine_buckets: bool, program_store: Path | None = None,
                  plan_sink: Callable[[tuple], None] | None = None) -> None:
+        take_over_layers(model)  # as the target's runner: one array per layer, the layers unrolled
         self.model = model
         self._plan_sink = plan_sink
         self.block_size = block_size

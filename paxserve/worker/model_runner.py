@@ -32,6 +32,7 @@ from paxserve.core.scheduler import SchedulerOutput
 from paxserve.kernels import REFERENCE, AttentionBackend, KVCache
 from paxserve.models.config import ModelConfig
 from paxserve.models.loader import LoadedModel
+from paxserve.models.layer_split import take_over_layers
 from paxserve.models.quant_weights import matmul_kernel
 from paxserve.models.sharding import TensorParallel
 from paxserve.sampling_params import MAX_LOGPROBS
@@ -150,6 +151,7 @@ class ModelRunner:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         cfg = model.config
+        take_over_layers(model)  # one array per layer: the programs run the layers unrolled, no weight copies
         self.model = model
         self.block_size = block_size
         self.attention_backend = attention_backend  # static argument of every program

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from paxserve.core.prompt_logprobs import PROMPT_PACKED_WIDTH
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache
+from paxserve.models.layer_split import split_layers
 from paxserve.models.quant_weights import with_matmul_kernel
 from paxserve.models.sharding import TensorParallel, stored_config
 from paxserve.sampling_params import MAX_LOGPROBS
@@ -171,7 +172,7 @@ class StepShapes:
 
     def params(self) -> Any:
         make = lambda c: self.architecture.abstract_params(c, self.dtype, self.quantization)  # noqa: E731
-        params = make(self.cfg) if self.tp is None else self.tp.abstract_params(make)
+        params = split_layers(make(self.cfg) if self.tp is None else self.tp.abstract_params(make))
         return params if self.matmul_kernel is None else with_matmul_kernel(params, self.matmul_kernel)
 
     def kv_cache(self) -> KVCache:

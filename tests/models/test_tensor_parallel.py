@@ -97,8 +97,8 @@ def _check_split(model: Any, runner: ModelRunner, size: int) -> None:
     """The weights and the cache are really split: each device holds 1/size of every split field."""
     tp, cfg, params = model.tp, model.config, model.params
     assert tp is not None and tp.size == size
-    qkv = params.layers.qkv_w
-    assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp") and not qkv.is_fully_replicated
+    qkv = params.layers[-1].qkv_w  # the runner serves one array per layer (models/layer_split.py)
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "tp") and not qkv.is_fully_replicated
     assert len({s.device for s in qkv.addressable_shards}) == size
     local_heads = cfg.num_heads // size + 2 * max(cfg.num_kv_heads, size) // size
     assert qkv.addressable_shards[0].data.shape[-1] == local_heads * cfg.head_dim

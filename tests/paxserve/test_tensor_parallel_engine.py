@@ -47,7 +47,11 @@ def test_engine_at_tp_2_gives_transformers_tokens_through_preemption_chunking_an
     with caplog.at_level(logging.INFO):
         engine = Engine(str(directory), **ARGS, tensor_parallel_size=2)
     assert "tensor parallel over 2 devices" in caplog.text and "KV head(s) per device" in caplog.text
-    assert engine.model.params.layers.qkv_w.sharding.spec[2] == "tp"
+    # Served with one array per layer (models/layer_split.py), each split as its stacked field was.
+    layers = engine.model.params.layers
+    assert isinstance(layers, tuple) and len(layers) == engine.model.config.num_layers
+    specs = {(tuple(layer.qkv_w.sharding.spec), tuple(layer.o_w.sharding.spec)) for layer in layers}
+    assert specs == {((None, "tp"), ("tp", None))}
     assert engine.runner.kv_cache.k.sharding.spec[3] == "tp"
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True),
                            use_tqdm=False)
