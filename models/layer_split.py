@@ -14,12 +14,15 @@ time (models/moe.py), and the stacked KV cache is read by gathers that index it 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paxserve.models.decoder import DecoderParams
+
+logger = logging.getLogger(__name__)
 
 
 def _one_layer_sharding(sharding: Any) -> Any:
@@ -72,3 +75,5 @@ def take_over_layers(model: Any) -> None:
     leaves, treedef = jax.tree.flatten(params.layers)
     model.params = params = params.replace(layers=None)
     model.params = params.replace(layers=_split_leaves(leaves, treedef))
+    logger.info("weights split into one array per layer: the step programs run the %d layers unrolled, so no "
+                "step copies a layer's weights out of a stack (each program compiles longer)", len(model.params.layers))
