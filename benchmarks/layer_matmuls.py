@@ -4,9 +4,10 @@
 
 A Llama layer's seven weight products (q, k, v, o, gate, up, down) for one token, over `--layers`
 layers of random float32 weights, with nothing else of the layer (no attention, norms or RoPE), timed
-four ways side by side: scanned over stacked (out, in) weights as the decoder stores them (x @ W.T),
-the same layers unrolled in Python over separate arrays, scanned over weights stored (in, out)
-(x @ W), and scanned with q/k/v and gate/up fused into two products. Also one MLP-sized product
+four ways side by side: scanned over stacked (out, in) weights (x @ W.T), the same layers unrolled
+in Python over separate arrays (how the engine serves since issue 35: models/layer_split.py),
+scanned over weights stored (in, out) (x @ W, the loader's layout), and scanned with q/k/v and
+gate/up fused into two products. Also one MLP-sized product
 alone in both orientations. Each is compared with its weights read once at `--bandwidth-gbs`.
 Medians of `--runs`.
 """
