@@ -70,6 +70,13 @@ class DecoderParams:
     dense_mlp: MLPParams | None = None  # stacked over cfg.dense_mlp_layers (an MoE model's dense layers)
 
 
+# Passes of at most this many tokens (decode steps, small chunks) run split layers unrolled: on the
+# development CPU a batch-1 decode step of SmolLM2 went from 35 to 21 ms. Larger passes are bound by
+# their products (a 256-token pass: ~70 GFLOP, ~170 ms there) beside which the scan's weight copies
+# (~20 ms) matter less than an unrolled program's compile (3.5x longer, for every bucket).
+UNROLL_MAX_TOKENS = 64
+
+
 def mlp_slots(cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Scanned per-layer arrays that pick an MoE model's MLP: each layer's index into the MoE (or
     dense-MLP) stack, and whether it is an MoE layer (only when the kinds are mixed)."""
@@ -104,6 +111,7 @@ def forward(
     aux_layers: tuple[int, ...] = (),
     lora: LoraWeights | None = None,
     lora_slots: Int[Array, " T"] | None = None,
+    unroll_max_tokens: int = UNROLL_MAX_TOKENS,
 ) -> tuple[Float[Array, "S V"], KVCache] | tuple[Float[Array, "S V"], KVCache, Float[Array, "T A"]]:
     """Run a flattened ragged batch of new tokens; return float32 logits at
     `metadata.logits_indices` and the updated cache. `attention_backend` (static) picks the
@@ -111,8 +119,11 @@ def forward(
     `aux_layers` (static; an EAGLE-3 head reads them), also the residual stream entering each of
     those layers at every token, side by side ([T, len(aux_layers) x hidden]).
 
-    Stacked `params.layers` run in a `lax.scan` (a short compile; each pass copies the layer's
-    weights out of the stack); split ones (a tuple, what the engine serves with) run unrolled.
+    Stacked `params.layers` run in a `lax.scan` (each pass copies its layer's weights out of the
+    stack). Split ones (a tuple, what the engine serves with) run unrolled in a program of at most
+    `unroll_max_tokens` tokens (static), every product reading its weight in place; a larger program
+    scans, picking each layer's weights with a switch: the copy is small beside its products, and the
+    program compiles in about a third of the unrolled one's time (each unrolled layer is its own code).
 
     With `tp`, this runs on one device inside `shard_map` (models/sharding.py): `cfg` and `params`
     are that device's share, the row-parallel products are summed over `tp.axis`, and the
@@ -251,12 +262,16 @@ def forward(
     carry = (x, kv_cache.k, kv_cache.v)
     if aux_layers:
         carry += (jnp.zeros((len(aux_layers), *x.shape), x.dtype),)
-    if isinstance(params.layers, tuple):  # one array per layer (models/layer_split.py): unrolled, no slicing
+    if not isinstance(params.layers, tuple):  # stacked, as loaded
+        (x, k_cache, v_cache, *aux), _ = jax.lax.scan(layer, carry, (params.layers, scanned))
+    elif num_tokens <= unroll_max_tokens:  # split (models/layer_split.py): unrolled, weights read in place
         for i, layer_params in enumerate(params.layers):
             carry, _ = layer(carry, (layer_params, jax.tree.map(lambda a: a[i], scanned)))
         x, k_cache, v_cache, *aux = carry
-    else:
-        (x, k_cache, v_cache, *aux), _ = jax.lax.scan(layer, carry, (params.layers, scanned))
+    else:  # split, a pass with many tokens: scanned, each layer's weights picked (copied) by a switch
+        branches = [lambda layer_params=layer_params: layer_params for layer_params in params.layers]
+        (x, k_cache, v_cache, *aux), _ = jax.lax.scan(
+            lambda c, xs: layer(c, (jax.lax.switch(xs["index"], branches), xs)), carry, scanned)
     h = norm(cfg.norm, x[metadata.logits_indices], params.final_norm, params.final_norm_b, eps)
     head = params.lm_head
     if isinstance(head, GroupQuantizedWeight):  # kept quantized: its own kernel, or dequantized by XLA

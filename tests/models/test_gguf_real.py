@@ -220,7 +220,7 @@ def test_gemma3_engine_greedy_equals_transformers(case: dict[str, Any], report) 
     engine = Engine(str(case["path"]), quantization="gguf", **{
         **TEST_ENGINE_ARGS, "max_model_len": 1024, "max_num_batched_tokens": 256, "kv_cache_memory_bytes": 96 * 2**20})
     params = engine.parts.model.params
-    assert isinstance(params.embed, GroupQuantizedWeight) and isinstance(params.layers.down_w, GroupQuantizedWeight)
+    assert isinstance(params.embed, GroupQuantizedWeight) and isinstance(params.layers[0].down_w, GroupQuantizedWeight)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = engine.generate(prompts, greedy, use_tqdm=False)
     alone = engine.generate(prompts[:1], greedy, use_tqdm=False)[0]

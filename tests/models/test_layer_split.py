@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from paxserve.models import load_model
+from paxserve.models.decoder import UNROLL_MAX_TOKENS
 from paxserve.models.layer_split import split_layers
 from paxserve.worker.model_runner import ModelRunner
 from paxserve.worker.step_functions import jitted_logits
@@ -18,21 +19,25 @@ from tests.models.family_checkpoints import make_family_checkpoint
 
 
 # Gemma 3: per-layer windows and RoPE tables; Qwen2-MoE: each layer's slot into the expert stacks and
-# the shared expert; Falcon: parallel attention and MLP with ALiBi.
+# the shared expert; Falcon: parallel attention and MLP with ALiBi. A pass of 32 tokens runs the split
+# layers unrolled, one of 128 scans them, picking each layer's weights (UNROLL_MAX_TOKENS).
+@pytest.mark.parametrize("tokens", [32, 128])
 @pytest.mark.parametrize("family", ["gemma3", "qwen2-moe", "falcon-rw-alibi"])
-def test_split_layers_give_the_scans_logits_and_cache_bit_for_bit(family: str, tmp_path: Path, report) -> None:
+def test_split_layers_give_the_scans_logits_and_cache_bit_for_bit(family: str, tokens: int, tmp_path: Path,
+                                                                   report) -> None:
     make_family_checkpoint(family, tmp_path, seed=3)
     model = load_model(tmp_path)
     stacked = model.params
     runner = ModelRunner(model, num_blocks=16, block_size=8)
     layers = runner.model.params.layers
     assert isinstance(layers, tuple) and len(layers) == model.config.num_layers
+    assert 32 <= UNROLL_MAX_TOKENS < 128
     assert isinstance(stacked.layers.qkv_w, jax.Array) and stacked.layers.qkv_w.shape[1:] == layers[0].qkv_w.shape
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 200, n).tolist() for n in (13, 5)]
     chunks = [SeqChunk(p, 0, [1 + 2 * i, 2 + 2 * i]) for i, p in enumerate(prompts)]
-    batch = build_batch(chunks, 8, pad_tokens_to=32, pad_seqs_to=4, pad_blocks_to=2)
+    batch = build_batch(chunks, 8, pad_tokens_to=tokens, pad_seqs_to=4, pad_blocks_to=2)
     args = runner.forward_args(batch)
     cache_copy = jax.tree.map(lambda a: a.copy(), args[1])  # the program takes the cache over (donated)
     fn = jitted_logits(model.architecture.forward)
@@ -41,7 +46,9 @@ def test_split_layers_give_the_scans_logits_and_cache_bit_for_bit(family: str, t
     np.testing.assert_array_equal(np.asarray(unrolled), np.asarray(scanned))
     np.testing.assert_array_equal(np.asarray(unrolled_cache.k), np.asarray(scanned_cache.k))
     np.testing.assert_array_equal(np.asarray(unrolled_cache.v), np.asarray(scanned_cache.v))
-    report(f"{family}: {len(layers)} layers unrolled over split weights = the scan, logits and cache bit for bit")
+    how = "unrolled" if tokens <= UNROLL_MAX_TOKENS else "scanned with a switch"
+    report(f"{family}, {tokens} tokens: {len(layers)} split layers {how} = the stacked scan, logits and cache "
+           "bit for bit")
 
 
 def test_the_abstract_split_matches_the_placed_split_at_tp_2(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from paxserve.models.decoder import forward
 from paxserve.models.loader import load_model
+from paxserve.models.layer_split import split_layers
 from paxserve.models.lora import empty_weights, read_adapter, write_slot
 from paxserve.models.registry import get_architecture
 from paxserve.worker.step_functions import attention_metadata
@@ -250,7 +251,8 @@ def test_one_compiled_step_program_serves_any_mix_of_adapters(size: int, tmp_pat
         token_slots = np.full(64, -1, np.int32)
         token_slots[:sum(map(len, prompts))] = np.repeat(slots, [len(p) for p in prompts])
         cache = zeroed_kv_cache(cfg, tp, num_blocks, block, np.dtype(np.float32))
-        logits, _ = program(model.params, cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
+        params = split_layers(model.params)  # as the runner serves them (models/layer_split.py)
+        logits, _ = program(params, cache, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions),
                             attention_metadata(batch), jnp.zeros(5, jnp.int32), jnp.full(64, -1, jnp.int32), lora,
                             jnp.asarray(token_slots))
         for row, (prompt, slot) in enumerate(zip(prompts, slots)):
