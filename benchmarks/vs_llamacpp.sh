@@ -70,7 +70,7 @@ for r in $(seq "$rounds"); do
   for server in $order; do
     echo "== round $r: $server ($(date -u +%H:%M:%S))"
     start "$server"
-    load 1,32 15 "" > "$out/$server-round$r-warmup.txt" 2>&1 || true
+    load "$streams" 20 "" > "$out/$server-round$r-warmup.txt" 2>&1 || true
     load "$streams" "$seconds" "$out/$server-round$r.json"
     kill "$pid"; wait "$pid" 2>/dev/null || true
     sleep 3

@@ -54,7 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel, seed=args.seed, warmup=args.warmup,
+        enable_expert_parallel=args.enable_expert_parallel, seed=args.seed, warmup=args.warmup, enforce_eager=args.enforce_eager,
         compile_in_background=args.compile_in_background, compilation_cache_dir=args.compilation_cache_dir,
         async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend, generation_config=args.generation_config,

@@ -172,6 +172,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                     "the prompt and output), verified in the next step (1 + the proposals' logits rows per "
                     "sequence), as many as measured step times say pay", spec.num_speculative_tokens,
                     spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if config.enforce_eager:
+        logger.info("--enforce-eager: every step program scans the layers' stacked weights (faster compiles; each "
+                    "step copies the layers' weights, so small batches decode slower)")
     runner = ModelRunner(model, plan.num_blocks, config.block_size, plan.max_model_len,
                          attention_backend=attention_backend, max_num_seqs=config.max_num_seqs,
                          program_store=_program_store(config, cluster), background_compile=config.compile_in_background,
@@ -180,7 +183,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          plan_sink=channel.send if channel is not None and not is_worker else None,
                          num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
                          aux_layers=() if eagle_info is None else eagle_info[0].aux_layers,
-                         lora=_lora_shape(config))
+                         lora=_lora_shape(config), split_layers=not config.enforce_eager)
     draft = None if draft_info is None else _load_draft(config, draft_info, plan, runner, max_num_batched_tokens,
                                                         cluster)
     eagle = None if eagle_info is None else _load_eagle3(config, model, plan, runner, cluster)
@@ -313,7 +316,8 @@ def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: Mo
     backend = _attention_backend(config, cfg.layer, model.dtype, model.dtype)
     return Eagle3Proposer(cfg, params, model.params.embed, plan.num_blocks, config.block_size, backend,
                           runner.fine_buckets, None if model.tp is None else model.tp.replicated,
-                          _program_store(config, cluster), plan_sink=runner.plan_sink)
+                          _program_store(config, cluster), plan_sink=runner.plan_sink,
+                      split_layers=not config.enforce_eager)
 
 
 def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner: ModelRunner,

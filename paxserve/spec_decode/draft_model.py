@@ -64,8 +64,9 @@ class DraftModel:
 
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, attention_backend: AttentionBackend,
                  max_tokens_per_pass: int, fine_buckets: bool, program_store: Path | None = None,
-                 plan_sink: Callable[[tuple], None] | None = None) -> None:
-        take_over_layers(model)  # as the target's runner: one array per layer, the layers unrolled
+                 plan_sink: Callable[[tuple], None] | None = None, split_layers: bool = True) -> None:
+        if split_layers:  # as the target's runner: one array per layer, small passes unrolled
+            take_over_layers(model)
         self.model = model
         self._plan_sink = plan_sink
         self.block_size = block_size
@@ -79,7 +80,8 @@ class DraftModel:
         # block width) bucket ("decode" for one token per sequence where the backend has a kernel
         # for it), compiled when first needed and stored like the target's.
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks, 1,
-                                 attention_backend, model.tp, model.quantization, None, matmul_kernel(model.params))
+                                 attention_backend, model.tp, model.quantization, None, matmul_kernel(model.params),
+                                 split_layers=split_layers)
         common = "|".join([environment_fingerprint(), source_fingerprint(), "draft"])
         devices = jax.devices()[:1] if model.tp is None else list(model.tp.mesh.devices.flat)
         self.programs = Programs(self.shapes.spec, lambda kind: common + self.shapes.fingerprint(kind), program_store,

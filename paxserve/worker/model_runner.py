@@ -145,13 +145,14 @@ class ModelRunner:
                  kv_cache: KVCache | None = None, plan_sink: Callable[[tuple], None] | None = None,
                  kv_cache_dtype: np.dtype | None = None, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                  num_spec_tokens: int = 0, aux_layers: tuple[int, ...] = (),
-                 lora: tuple[int, int] | None = None) -> None:
+                 lora: tuple[int, int] | None = None, split_layers: bool = True) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32, got {block_size}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         cfg = model.config
-        take_over_layers(model)  # one array per layer: the programs run the layers unrolled, no weight copies
+        if split_layers:  # one array per layer: small passes run the layers unrolled, no weight copies
+            take_over_layers(model)
         self.model = model
         self.block_size = block_size
         self.attention_backend = attention_backend  # static argument of every program
@@ -176,7 +177,8 @@ class ModelRunner:
         self.shapes = StepShapes(cfg, model.architecture, np.dtype(model.dtype), block_size, num_blocks,
                                  self.num_state_rows, attention_backend, model.tp, model.quantization,
                                  None if self.kv_dtype == np.dtype(model.dtype) else self.kv_dtype,
-                                 matmul_kernel(model.params), num_spec_tokens, tuple(aux_layers), lora)
+                                 matmul_kernel(model.params), num_spec_tokens, tuple(aux_layers), lora,
+                                 split_layers)
         self.lora_weights, self._write_lora = self._new_lora_slots() if lora is not None else (None, None)
         self.num_lora_writes = 0  # adapters written into slots (each a slot changing hands)
         self._aux: jax.Array | None = None  # the last forward's aux hidden states, for its DeviceStep

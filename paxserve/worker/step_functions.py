@@ -157,6 +157,8 @@ class StepShapes:
     num_spec_tokens: int = 0  # speculative decoding's k: a sequence verifies at most k proposals
     aux_layers: tuple[int, ...] = ()  # forwards also return these layers' input streams (an EAGLE-3 head's)
     lora: tuple[int, int] | None = None  # (slots, max rank): forwards take LoRA slots and each token's slot
+    # Params with one array per layer (models/layer_split.py), or stacked as loaded (--enforce-eager).
+    split_layers: bool = True
 
     @property
     def verify_width(self) -> int:
@@ -172,7 +174,8 @@ class StepShapes:
 
     def params(self) -> Any:
         make = lambda c: self.architecture.abstract_params(c, self.dtype, self.quantization)  # noqa: E731
-        params = split_layers(make(self.cfg) if self.tp is None else self.tp.abstract_params(make))
+        params = make(self.cfg) if self.tp is None else self.tp.abstract_params(make)
+        params = split_layers(params) if self.split_layers else params
         return params if self.matmul_kernel is None else with_matmul_kernel(params, self.matmul_kernel)
 
     def kv_cache(self) -> KVCache:
@@ -236,6 +239,8 @@ class StepShapes:
                 common += f"|aux{self.aux_layers}"
             if self.lora is not None:
                 common += f"|lora{self.lora}"
+            if not self.split_layers:
+                common += "|stacked"
             return f"{common}|{self.attention_backend!r}|{self.num_blocks}x{self.block_size}|{self.num_state_rows}"
         return f"{common}|{self.num_state_rows}"
 

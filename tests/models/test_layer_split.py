@@ -67,3 +67,24 @@ def test_the_abstract_split_matches_the_placed_split_at_tp_2(tmp_path: Path) -> 
     assert specs.layers[1].qkv_w == jax.sharding.PartitionSpec(None, "tp")  # stacked: (None, None, "tp")
     assert specs.layers[1].o_w == jax.sharding.PartitionSpec("tp", None)
     assert split_layers(placed) is placed  # already split: nothing to do
+
+
+def test_enforce_eager_keeps_the_stack_and_gives_the_same_tokens(tmp_path: Path) -> None:
+    """--enforce-eager (vLLM's flag for a faster start): the layers stay stacked and every program scans
+    them; the tokens are the split engine's, and the two engines' programs are stored apart."""
+    from paxserve import Engine, SamplingParams
+    from tests.helpers import make_tiny_llama
+    from tests.paxserve.test_engine import TEST_ENGINE_ARGS
+
+    make_tiny_llama(tmp_path / "m", seed=9, num_key_value_heads=2)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (7, 90, 3)]  # 90: a pass past UNROLL_MAX_TOKENS
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        engine = Engine(str(tmp_path / "m"), **{**TEST_ENGINE_ARGS, "enforce_eager": eager})
+        assert isinstance(engine.model.params.layers, tuple) is not eager
+        assert ("|stacked|" in engine.runner.shapes.fingerprint("forward")) is eager
+        outs[eager] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        engine.close()
+    assert outs[True] == outs[False]

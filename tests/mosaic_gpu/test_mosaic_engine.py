@@ -4,11 +4,12 @@ A random-weight Llama checkpoint is written with numpy and safetensors (no torch
 bfloat16 with a GQA group of 2 and head_dim 64, served with int8 weights (`--quantization int8`);
 prompts of 5, 70 and 17 tokens (the 70-token one prefilled in chunks of 64, on top of its own cached
 chunk) decode together, so the attention kernels serve mixed ragged steps and pure decode steps, and
-the weight-only matmul kernel every linear layer, inside the model's scan over layers. The reference
-engine runs the same int8 weights on XLA's matmul and attention. (fp8 pages are checked through the
-same dispatch by the start-up self-check in test_mosaic_dispatch.py; an engine over them drifts from
-the reference faster than bf16 pages do, since fp8 rounding turns a last-bit difference of K or V
-into a whole fp8 step, so its comparison would need looser bounds than this one.)
+the weight-only matmul kernel every linear layer (unrolled in small passes, scanned in larger
+ones: models/layer_split.py). The reference engine runs the same int8 weights on XLA's matmul and
+attention. (fp8 pages are checked through the same dispatch by the start-up self-check in
+test_mosaic_dispatch.py; an engine over them drifts from the reference faster than bf16 pages do,
+since fp8 rounding turns a last-bit difference of K or V into a whole fp8 step, so its comparison
+would need looser bounds than this one.)
 """
 
 from __future__ import annotations
