@@ -316,8 +316,7 @@ def _load_eagle3(config: EngineConfig, model: Any, plan: KVCachePlan, runner: Mo
     backend = _attention_backend(config, cfg.layer, model.dtype, model.dtype)
     return Eagle3Proposer(cfg, params, model.params.embed, plan.num_blocks, config.block_size, backend,
                           runner.fine_buckets, None if model.tp is None else model.tp.replicated,
-                          _program_store(config, cluster), plan_sink=runner.plan_sink,
-                      split_layers=not config.enforce_eager)
+                          _program_store(config, cluster), plan_sink=runner.plan_sink)
 
 
 def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner: ModelRunner,
@@ -335,7 +334,8 @@ def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner
                 spec.model, cfg.architecture, cfg.num_layers, info.weight_bytes / 2**30, spec.num_speculative_tokens,
                 spec.num_speculative_tokens)
     return DraftModel(model, plan.num_blocks, config.block_size, backend, max_tokens_per_pass, runner.fine_buckets,
-                      _program_store(config, cluster), plan_sink=runner.plan_sink)
+                      _program_store(config, cluster), plan_sink=runner.plan_sink,
+                      split_layers=not config.enforce_eager)
 
 
 def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:
