@@ -4,12 +4,13 @@
 
 For each server, round and stream count: GuideLLM's own figures for its successful requests (output
 tokens per second over the run, the median of the requests' inter-token latencies, the median time
-to first token) and the request count. Then, per stream count, the median over rounds of each server
-and paxserve's ratio to llama.cpp. Markdown on stdout.
+to first token) and the request count. Then, per stream count, the median over the rounds that
+completed requests of each server and paxserve's ratio to llama.cpp. Markdown on stdout.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 import sys
@@ -36,9 +37,10 @@ def _figures(benchmark: dict[str, Any]) -> dict[str, float]:
 def read(folder: Path) -> dict[tuple[str, int], list[tuple[int, dict[str, float]]]]:
     """(server, streams) -> [(round, figures)]."""
     runs: dict[tuple[str, int], list[tuple[int, dict[str, float]]]] = defaultdict(list)
-    for path in sorted(folder.glob("*-round*.json")):
-        server, _, round_part = path.stem.partition("-round")
-        for benchmark in json.loads(path.read_text())["benchmarks"]:
+    for path in sorted([*folder.glob("*-round*.json"), *folder.glob("*-round*.json.gz")]):
+        server, _, round_part = path.name.split(".")[0].partition("-round")
+        text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        for benchmark in json.loads(text)["benchmarks"]:
             runs[(server, _streams(benchmark))].append((int(round_part), _figures(benchmark)))
     return runs
 
@@ -55,8 +57,10 @@ def main() -> None:
     print("| streams | output tok/s paxserve / llama.cpp | ITL p50 ms paxserve vs llama.cpp | TTFT p50 ms paxserve vs llama.cpp |")
     print("|---|---|---|---|")
     for streams in sorted({s for _, s in runs}):
-        med = {server: {k: statistics.median(f[k] for _, f in runs.get((server, streams), [])) for k in
-                        ("tok/s", "itl", "ttft")} for server in ("paxserve", "llamacpp") if (server, streams) in runs}
+        done = {server: [f for _, f in runs.get((server, streams), []) if f["requests"]]  # rounds with answers
+                for server in ("paxserve", "llamacpp")}
+        med = {server: {k: statistics.median(f[k] for f in rows) for k in ("tok/s", "itl", "ttft")}
+               for server, rows in done.items() if rows}
         if len(med) < 2:
             continue
         p, q = med["paxserve"], med["llamacpp"]
