@@ -156,8 +156,10 @@ def test_speculative_decoding_gives_transformers_tokens(hf, hf_greedy) -> None:
     prompts, refs = hf_greedy
     from tests.paxserve.test_spec_decode import FlatTimes
 
+    # --enforce-eager: its many verify buckets compile ~3.5x faster with the layers scanned (the same
+    # outputs as split layers, tests/models/test_layer_split.py); the test above runs the default.
     engine = Engine(max_model_len=512, max_num_seqs=8, warmup=False, log_stats_interval=0, compilation_cache_dir="",
-                    kv_cache_memory_bytes=64 * 2**20, compile_in_background=False,
+                    kv_cache_memory_bytes=64 * 2**20, compile_in_background=False, enforce_eager=True,
                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     # Every proposal verified, whatever this machine's step times (the plan weighs them on a real
     # server; under a loaded test run it may rightly verify none).
