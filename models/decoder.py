@@ -111,7 +111,6 @@ def forward(
     aux_layers: tuple[int, ...] = (),
     lora: LoraWeights | None = None,
     lora_slots: Int[Array, " T"] | None = None,
-    unroll_max_tokens: int = UNROLL_MAX_TOKENS,
 ) -> tuple[Float[Array, "S V"], KVCache] | tuple[Float[Array, "S V"], KVCache, Float[Array, "T A"]]:
     """Run a flattened ragged batch of new tokens; return float32 logits at
     `metadata.logits_indices` and the updated cache. `attention_backend` (static) picks the
@@ -121,7 +120,7 @@ def forward(
 
     Stacked `params.layers` run in a `lax.scan` (each pass copies its layer's weights out of the
     stack). Split ones (a tuple, what the engine serves with) run unrolled in a program of at most
-    `unroll_max_tokens` tokens (static), every product reading its weight in place; a larger program
+    UNROLL_MAX_TOKENS tokens, every product reading its weight in place; a larger program
     scans, picking each layer's weights with a switch: the copy is small beside its products, and the
     program compiles in about a third of the unrolled one's time (each unrolled layer is its own code).
 
@@ -264,7 +263,7 @@ def forward(
         carry += (jnp.zeros((len(aux_layers), *x.shape), x.dtype),)
     if not isinstance(params.layers, tuple):  # stacked, as loaded
         (x, k_cache, v_cache, *aux), _ = jax.lax.scan(layer, carry, (params.layers, scanned))
-    elif num_tokens <= unroll_max_tokens:  # split (models/layer_split.py): unrolled, weights read in place
+    elif num_tokens <= UNROLL_MAX_TOKENS:  # split (models/layer_split.py): unrolled, weights read in place
         for i, layer_params in enumerate(params.layers):
             carry, _ = layer(carry, (layer_params, jax.tree.map(lambda a: a[i], scanned)))
         x, k_cache, v_cache, *aux = carry

@@ -5,8 +5,9 @@ tensor parallelism and memory planning handle). A program that scans over such a
 layer's weights out on every pass, and XLA materializes each slice before the product reads it: on a
 CPU, a batch-1 decode step of SmolLM2 spent more time copying its weights (about 19 of 33 ms) than
 multiplying by them (benchmarks/RESULTS.md, issue 35). Split into one array per layer and field,
-the decoder unrolls its layers and every product reads its weight where it lies; the price is a
-longer compile (each layer is its own code).
+the decoder unrolls its layers in passes of at most UNROLL_MAX_TOKENS tokens and every product
+reads its weight where it lies; the price is a longer compile (each layer is its own code), so
+larger passes, bound by their products, still scan (models/decoder.py).
 
 Only `DecoderParams.layers` is split. The MoE expert stacks already slice one expert matrix at a
 time (models/moe.py), and the stacked KV cache is read by gathers that index it in place.
@@ -20,7 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from paxserve.models.decoder import DecoderParams
+from paxserve.models.decoder import UNROLL_MAX_TOKENS, DecoderParams
 
 logger = logging.getLogger(__name__)
 
@@ -75,5 +76,6 @@ def take_over_layers(model: Any) -> None:
     leaves, treedef = jax.tree.flatten(params.layers)
     model.params = params = params.replace(layers=None)
     model.params = params.replace(layers=_split_leaves(leaves, treedef))
-    logger.info("weights split into one array per layer: the step programs run the %d layers unrolled, so no "
-                "step copies a layer's weights out of a stack (each program compiles longer)", len(model.params.layers))
+    logger.info("weights split into one array per layer: passes of at most %d tokens run the %d layers unrolled, "
+                "copying no layer's weights out of a stack (those programs compile longer)", UNROLL_MAX_TOKENS,
+                len(model.params.layers))
