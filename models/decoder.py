@@ -24,7 +24,7 @@ from paxserve.models.config import ModelConfig
 from paxserve.models.layers import dense, mlp, norm
 from paxserve.models.moe import MLPParams, MoEParams, moe_mlp, take_layer
 from paxserve.models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from paxserve.models.quant_weights import GroupQuantizedWeight, group_matmul
+from paxserve.models.quant_weights import GroupQuantizedWeight, group_matmul, table_matmul
 from paxserve.kernels import REFERENCE, AttentionBackend, AttentionMetadata, KVCache, attention, write_kv_reference
 from paxserve.kernels.metadata import NO_WINDOW
 from paxserve.kernels.alibi import alibi_slopes
@@ -275,10 +275,10 @@ def forward(
     head = params.lm_head
     if isinstance(head, GroupQuantizedWeight):  # kept quantized: its own kernel, or dequantized by XLA
         logits = group_matmul(h, head)
+    elif head is None and isinstance(params.embed, GroupQuantizedWeight):  # tied to an embedding kept quantized
+        logits = table_matmul(h, params.embed)
     else:
-        if head is None:  # tied to the embedding
-            embed = params.embed
-            head = (embed.dequantize(h.dtype) if isinstance(embed, GroupQuantizedWeight) else embed).T
+        head = params.embed.T if head is None else head  # None: tied to the embedding
         logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)

@@ -31,7 +31,8 @@ from paxserve.models.gguf_io import GGUFCheckpoint
 from paxserve.models.gguf_weights import KEPT_TYPES, GroupFormat
 from paxserve.models.layout import KEPT_TOP, stored_formats
 from paxserve.models.param_cache import cache_key, cache_root, converting, restore_cached, save_cached
-from paxserve.models.quant_weights import QUANTIZATION_METHODS, WeightQuantization
+from paxserve.kernels.matmul_dispatch import cpu_matmul_kernel
+from paxserve.models.quant_weights import QUANTIZATION_METHODS, WeightQuantization, with_matmul_kernel
 from paxserve.models.registry import Architecture, Quantization, get_architecture
 from paxserve.models.safetensors_io import SafetensorsCheckpoint
 from paxserve.models.sharding import TensorParallel, map_fields, param_bytes
@@ -139,23 +140,33 @@ def _gguf_cache_entry(path: Path, dtype: str, cache_dir: str | os.PathLike | Non
     return cache_root(cache_dir) / "params" / (key if keep else f"{key}-dequantized")
 
 
-def gguf_keeps_quantized(path: Path, method: str | None) -> tuple[bool, str]:
+def gguf_keeps_quantized(path: Path, method: str | None, dtype: str = "auto",
+                         cache_dir: str | os.PathLike | None = None) -> tuple[bool, str]:
     """Whether a GGUF file's weights stay quantized on the device, and why (for the log). Always
-    on an accelerator and with `--quantization gguf`. On a CPU they are dequantized at load while
-    that fits easily: XLA:CPU writes out each dequantized weight before its product, which made
-    the bundled model's decode steps about 2x slower than reading float32 weights
-    (benchmarks/RESULTS.md); a file whose dequantized weights could take half the host's memory
+    on an accelerator and with `--quantization gguf`. On a CPU, for a float32 model, they stay
+    quantized when paxserve's CPU kernel builds and passes its self-check (it reads the codes
+    where they lie: a decode step reads the file's bytes instead of 4-8x as many in float32);
+    without it they are dequantized at load while that fits easily (XLA:CPU writes out each
+    dequantized weight before its product, about 2x slower than reading float32 weights,
+    benchmarks/RESULTS.md), and a file whose dequantized weights could take half the host's memory
     (estimated as 8x the file: float32 from 4-bit) stays quantized."""
     if method == "gguf":
         return True, "--quantization gguf"
     if jax.default_backend() != "cpu":
         return True, f"on {jax.default_backend().upper()} the weights stay as the file stores them"
+    if resolve_dtype(dtype, {}, "gguf") == np.float32:
+        kernel = cpu_matmul_kernel(cache_dir)
+        if not isinstance(kernel, str):
+            return True, "on a CPU, paxserve's CPU kernel reads them at their own width"
+        why_not = f"the CPU kernel is not available ({kernel})"
+    else:
+        why_not = "the CPU kernel takes float32 models"
     estimate, ram = 8 * path.stat().st_size, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if estimate > ram // 2:
         return True, (f"dequantized they could take {estimate / 2**30:.1f} GiB, over half of this host's "
-                      f"{ram / 2**30:.1f} GiB")
-    return False, ("on a CPU, dequantized weights decode about 2x faster (XLA:CPU materializes each dequantized "
-                   "weight); --quantization gguf keeps them quantized")
+                      f"{ram / 2**30:.1f} GiB ({why_not})")
+    return False, (f"{why_not}; on a CPU without it, dequantized weights decode about 2x faster (XLA:CPU "
+                   "materializes each dequantized weight); --quantization gguf keeps them quantized")
 
 
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,
@@ -400,7 +411,7 @@ def inspect_model(
     if kind == "hf":
         hf_config = _read_hf_config(path)
     else:
-        keep = gguf_keeps_quantized(path, quantization)[0]
+        keep = gguf_keeps_quantized(path, quantization, dtype, cache_dir)[0]
         cached = _gguf_cache_entry(path, dtype, cache_dir, keep) / "config.json"
         hf_config = json.loads(cached.read_text()) if cached.exists() else \
             _gguf_hf_config(GGUFCheckpoint(path), dtype, keep)
@@ -483,10 +494,14 @@ def load_model(
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
         resolve_quantization(quantization, kind, {}, path)  # raises for fp8/int8: a GGUF is quantized already
-        keep, why = gguf_keeps_quantized(path, quantization)
+        keep, why = gguf_keeps_quantized(path, quantization, dtype, cache_dir)
         logger.info("GGUF weights %s: %s", "kept quantized" if keep else "dequantized at load", why)
         params, hf_config, tokenizer, from_cache, tp = _load_gguf(path, dtype, cache_dir, use_param_cache,
                                                                   tensor_parallel_size, enable_expert_parallel, keep)
+        if keep and jax.default_backend() == "cpu" and resolve_dtype(dtype, {}, "gguf") == np.float32:
+            kernel = cpu_matmul_kernel(cache_dir)  # built and checked above, or why not
+            if not isinstance(kernel, str):  # kept for the kernel: handed over set to run on it
+                params = with_matmul_kernel(params, kernel)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
         quant = _kept(gguf_quantization(hf_config))

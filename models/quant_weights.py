@@ -61,7 +61,7 @@ class QuantizedWeight:
 def quantized_matmul(x: Float[Array, "T I"], w: QuantizedWeight) -> Float[Array, "T O"]:
     """x @ (q * scale) accumulated in float32, returned in float32 (the caller rounds once)."""
     scale = w.scale.reshape(w.scale.shape[-1])
-    if w.kernel is not None and not w.fp8_activations and kernel_serves(x, w.q, None, 8):
+    if w.kernel is not None and not w.fp8_activations and kernel_serves(w.kernel, x, w.q, None, 8):
         return run_kernel(w.kernel, x, w.q, None, None, 8, 0) * scale
     if w.fp8_activations:
         # Dynamic per-token scale: each row of x is scaled so its largest magnitude is fp8's max.
@@ -201,9 +201,20 @@ class GroupQuantizedWeight:
 def group_matmul(x: Float[Array, "T I"], w: GroupQuantizedWeight) -> Float[Array, "T O"]:
     """x @ w.dequantize(x.dtype) accumulated in float32: on the weight's kernel when it serves the
     shapes (the codes widened tile by tile in registers), else dequantized whole by XLA first."""
-    if w.kernel is not None and not w.table and kernel_serves(x, w.codes, w.scale.shape[-2], w.bits):
+    if w.kernel is not None and not w.table and kernel_serves(w.kernel, x, w.codes, w.scale.shape[-2], w.bits):
         return run_kernel(w.kernel, x, w.codes, w.scale, w.offset, w.bits, w.bias)
     return jnp.dot(x, w.dequantize(x.dtype), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def table_matmul(x: Float[Array, "T H"], table: GroupQuantizedWeight) -> Float[Array, "T V"]:
+    """x @ table.dequantize(x.dtype).T accumulated in float32: an embedding kept quantized used as
+    the output head (tied weights), on the weight's kernel when it takes tables (the CPU kernel
+    reads the rows where they lie), else dequantized whole by XLA first."""
+    if table.kernel is not None and kernel_serves(table.kernel, x, table.codes, table.scale.shape[-1], table.bits,
+                                                  table=True):
+        return run_kernel(table.kernel, x, table.codes, table.scale, table.offset, table.bits, table.bias, table=True)
+    return jnp.dot(x, table.dequantize(x.dtype).T, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
 
 
 def with_matmul_kernel(params: Any, kernel: Any) -> Any:

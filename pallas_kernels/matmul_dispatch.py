@@ -1,4 +1,5 @@
-"""Which matmul a weight kept quantized runs: XLA's (dequantize, then dot) or the Mosaic GPU kernel.
+"""Which matmul a weight kept quantized runs: XLA's (dequantize, then dot), the Mosaic GPU kernel
+or the CPU kernel (cpu_matmul.cc).
 
 The choice is a static, hashable `MatmulKernel` stored on each quantized weight of the params pytree
 (`QuantizedWeight.kernel`, `GroupQuantizedWeight.kernel`), so it reaches every jitted program with
@@ -8,14 +9,16 @@ time; a weight the kernel does not serve (a width that is not a multiple of its 
 activations, an fp8 x fp8 product) keeps XLA's path.
 
 `resolve_matmul_kernel` picks it at start-up, after the attention backend: on an NVIDIA GPU of
-compute capability 9.0 or more (wgmma and TMA), the kernel once it has passed `self_check_matmul`
-on this device; on a CPU only when the Mosaic GPU family was asked for by name
-(`--attention-backend mosaic`), in interpret mode (tests); XLA's path everywhere else.
+compute capability 9.0 or more (wgmma and TMA), the Mosaic GPU kernel once it has passed
+`self_check_matmul` on this device; on a CPU, the CPU kernel for a float32 model once it has built
+and passed its own self-check (`load_cpu_matmul`), or the Mosaic GPU kernel in interpret mode when
+that family was asked for by name (`--attention-backend mosaic`, tests); XLA's path everywhere else.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from paxserve.kernels import cpu_matmul
 from paxserve.kernels.mosaic_matmul import (
     mosaic_weight_only_matmul,
     supports_mosaic_matmul,
     weight_only_matmul_reference,
 )
 
-__all__ = ["MatmulKernel", "kernel_serves", "resolve_matmul_kernel", "run_kernel", "self_check_matmul"]
+__all__ = ["MatmulKernel", "cpu_matmul_kernel", "kernel_serves", "resolve_matmul_kernel", "run_kernel",
+           "self_check_matmul"]
 
 logger = logging.getLogger(__name__)
 _TOLERANCE = 1e-2  # max|out - ref| / max|ref|: both accumulate the same bf16 weights in float32
@@ -39,23 +44,30 @@ _TOLERANCE = 1e-2  # max|out - ref| / max|ref|: both accumulate the same bf16 we
 
 @dataclass(frozen=True)
 class MatmulKernel:
-    """The weight-only matmul kernel quantized weights run ("mosaic": Pallas on Mosaic GPU)."""
+    """The weight-only matmul kernel quantized weights run ("mosaic": Pallas on Mosaic GPU; "cpu":
+    cpu_matmul.cc through XLA's FFI, loaded and registered by `cpu_matmul_kernel`)."""
 
     name: str = "mosaic"
     interpret: bool = False  # Mosaic GPU's interpret mode on a CPU (tests; slow)
     num_splits: int | None = None  # split-K pieces; None: from the grid (see mosaic_weight_only_matmul)
 
     def __post_init__(self) -> None:
-        if self.name != "mosaic":
-            raise ValueError(f"MatmulKernel.name must be 'mosaic', got {self.name!r}")
+        if self.name not in ("mosaic", "cpu"):
+            raise ValueError(f"MatmulKernel.name must be 'mosaic' or 'cpu', got {self.name!r}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MatmulKernel.num_splits must be >= 1, got {self.num_splits}")
 
 
-def kernel_serves(x: Array, codes: Array, scale_rows: int | None, bits: int) -> bool:
-    """Whether the kernel runs `x [M, K] @ w` for these codes (2-D: one layer's, one device's
-    slice); `scale_rows` is the number of group-scale rows, None for a per-channel weight."""
+def kernel_serves(kernel: MatmulKernel, x: Array, codes: Array, scale_rows: int | None, bits: int,
+                  table: bool = False) -> bool:
+    """Whether `kernel` runs `x [M, K] @ w` for these codes (2-D: one layer's, one device's
+    slice); `scale_rows` is the number of group-scale rows (a table's scale columns), None for a
+    per-channel weight; `table`: an embedding table used as the head (the CPU kernel's alone)."""
     if x.ndim != 2 or codes.ndim != 2:
+        return False
+    if kernel.name == "cpu":
+        return cpu_matmul.serves(x, codes, 1 if scale_rows is None else scale_rows, bits, table)
+    if table:
         return False
     k, n = x.shape[1], codes.shape[1]
     group = k if scale_rows is None else k // scale_rows
@@ -63,10 +75,24 @@ def kernel_serves(x: Array, codes: Array, scale_rows: int | None, bits: int) -> 
 
 
 def run_kernel(kernel: MatmulKernel, x: Float[Array, "M K"], codes: Array, scale: Array | None,
-               offset: Array | None, bits: int, bias: int) -> Float[Array, "M N"]:
-    """x @ dequantize(w) in float32 on `kernel` (see `mosaic_weight_only_matmul`)."""
+               offset: Array | None, bits: int, bias: int, table: bool = False) -> Float[Array, "M N"]:
+    """x @ dequantize(w) in float32 on `kernel` (see `mosaic_weight_only_matmul`, `cpu_group_matmul`);
+    with `scale` None, the per-channel scale is left to the caller."""
+    if kernel.name == "cpu":
+        if scale is None:  # a per-channel weight: one group of every input, scale 1 (the caller scales)
+            scale = jnp.ones((1, codes.shape[1]), jnp.float32)
+        return cpu_matmul.cpu_group_matmul(x, codes, scale, offset, bits=bits, bias=bias, table=table)
     return mosaic_weight_only_matmul(x, codes, scale, offset, bits=bits, bias=bias, num_splits=kernel.num_splits,
                                      interpret=kernel.interpret)
+
+
+def cpu_matmul_kernel(cache_dir: str | os.PathLike | None = None) -> MatmulKernel | str:
+    """The CPU kernel, built, registered and self-checked in this process (`load_cpu_matmul`), or
+    why it is not available; its library lives under paxserve's cache directory."""
+    from paxserve.models.param_cache import cache_root
+
+    loaded = cpu_matmul.load_cpu_matmul(cache_root(cache_dir))
+    return loaded if isinstance(loaded, str) else MatmulKernel(name="cpu")
 
 
 def _problems(rng: np.random.Generator) -> list[tuple[str, dict]]:
@@ -120,13 +146,24 @@ def resolve_matmul_kernel(attention_option: str, platform: str, *, dtype: object
                           self_check: Callable[..., str | None] | None = self_check_matmul) -> MatmulKernel | None:
     """The kernel quantized weights run, or None for XLA's path (see the module docstring); says
     what it decided, and why, in the log."""
+    if platform.lower() == "cpu" and attention_option != "mosaic":
+        if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
+            logger.info("quantized matmuls: XLA's (the CPU kernel takes float32 activations, the model runs in %s)",
+                        jnp.dtype(dtype).name)
+            return None
+        kernel = cpu_matmul_kernel()
+        if isinstance(kernel, str):
+            logger.warning("quantized matmuls: XLA's, dequantizing each weight before its product (the CPU kernel "
+                           "is not available: %s)", kernel)
+            return None
+        logger.info("quantized matmuls: the CPU kernel (codes widened in registers, %s)",
+                    "AVX-512" if cpu_matmul.has_avx512() else "without AVX-512: plain loops")
+        return kernel
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         logger.info("quantized matmuls: XLA's (the Mosaic GPU kernel takes bfloat16 / float16 activations, "
                     "the model runs in %s)", jnp.dtype(dtype).name)
         return None
     if platform.lower() not in ("gpu", "cuda"):
-        if attention_option != "mosaic":
-            return None
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         if not hasattr(plgpu, "InterpretGPUParams"):

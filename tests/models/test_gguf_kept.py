@@ -22,7 +22,8 @@ from paxserve.models import load_model
 from paxserve.models.gguf_io import GGUFCheckpoint
 from paxserve.models.gguf_weights import KINDS, GroupFormat, HostCodes, decode
 from paxserve.models.loader import _as_laid_out, inspect_model
-from paxserve.models.quant_weights import GroupQuantizedWeight, dequantize_kept
+from paxserve.kernels import MatmulKernel
+from paxserve.models.quant_weights import GroupQuantizedWeight, dequantize_kept, matmul_kernel, with_matmul_kernel
 from paxserve.worker.model_runner import ModelRunner
 from tests.models.test_gguf_tiny import _byte_level_vocab
 from tests.paged_greedy import greedy_tokens_and_logits
@@ -154,8 +155,9 @@ def _dequantized_load(path: Path, model: Any) -> Any:
 
 
 def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(mixed: Path, tmp_path: Path) -> None:
-    default = load_model(mixed, cache_dir=tmp_path)  # on a CPU, a small file is dequantized at load (faster)
-    assert default.quantization is None and not isinstance(default.params.layers.qkv_w, GroupQuantizedWeight)
+    # On a CPU the file stays quantized by default too, set to run on the CPU kernel.
+    default = load_model(mixed, cache_dir=tmp_path)
+    assert default.quantization.method == "gguf" and matmul_kernel(default.params) == MatmulKernel(name="cpu")
     model = load_model(mixed, cache_dir=tmp_path, quantization="gguf")
     p = model.params
     assert isinstance(p.embed, GroupQuantizedWeight) and p.embed.table and p.embed.shape == (VOCAB, HIDDEN)
@@ -170,20 +172,24 @@ def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(m
     assert info.weight_bytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(p))
 
     reference = _dequantized_load(mixed, model)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(reference),
-                                                    jax.tree_util.tree_leaves(default.params)))
     for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(reference),
                                  jax.tree_util.tree_leaves(dequantize_kept(p, model.dtype))):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
 
     prompts = [[3, 17, 250, 9, 41, 77, 5], [8, 8, 260, 12]]
-    kept = greedy_tokens_and_logits(ModelRunner(model, num_blocks=16, block_size=8, max_model_len=64), prompts, 4)
+    # XLA's path (each weight dequantized before its dot) computes the dequantized file's logits bit
+    # for bit; the CPU kernel the same tokens, its logits summed in another order.
+    xla = dataclasses.replace(model, params=with_matmul_kernel(model.params, None))
+    kept = greedy_tokens_and_logits(ModelRunner(xla, num_blocks=16, block_size=8, max_model_len=64), prompts, 4)
     plain = dataclasses.replace(model, params=reference, quantization=None)
     full = greedy_tokens_and_logits(ModelRunner(plain, num_blocks=16, block_size=8, max_model_len=64), prompts, 4)
     assert kept[0] == full[0]
     for a, b in zip(kept[1], full[1]):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
+    on_kernel = greedy_tokens_and_logits(ModelRunner(model, num_blocks=16, block_size=8, max_model_len=64), prompts, 4)
+    assert on_kernel[0] == full[0]
+    assert max(float(np.max(np.abs(x - y))) for a, b in zip(on_kernel[1], full[1]) for x, y in zip(a, b)) < 1e-4
 
     split = load_model(mixed, cache_dir=tmp_path, tensor_parallel_size=2, quantization="gguf")
     codes = split.params.layers.o_w.codes  # row-parallel: values and group scales split together
@@ -210,10 +216,17 @@ def test_the_bundled_file_kept_quantized_computes_the_dequantized_files_logits(r
     assert kept_bytes < 0.3 * full_bytes
     probe = make_probe(model, REFERENCE)
     prompts = [tuple(model.tokenizer.encode(text)) for text in CHECK_TEXTS]
+    assert matmul_kernel(model.params) == MatmulKernel(name="cpu")
+    worst = 0.0
     for batch in (prompts, prompts[:1]):  # batched, and alone
         probe = dataclasses.replace(probe, prompts=tuple(batch))
-        kept, _ = probe.prefill(model.params)
+        kept, _ = probe.prefill(with_matmul_kernel(model.params, None))  # XLA's path: bit for bit
         full, _ = probe.prefill(dequantized)
         np.testing.assert_array_equal(kept, full)
+        on_kernel, _ = probe.prefill(model.params)  # the CPU kernel: sums in another order
+        np.testing.assert_array_equal(on_kernel.argmax(-1), full.argmax(-1))
+        worst = max(worst, float(np.max(np.abs(on_kernel - full))))
+    assert worst < 1e-3
     report(f"SmolLM2 GGUF kept quantized: {kept_bytes / 2**20:.0f} MiB of weights instead of {full_bytes / 2**20:.0f} "
-           f"MiB dequantized, logits equal to the dequantized file's on {len(prompts)} prompts batched and alone")
+           f"MiB dequantized, logits equal to the dequantized file's on {len(prompts)} prompts batched and alone "
+           f"(XLA's path); on the CPU kernel the same top tokens, logits within {worst:.1e}")

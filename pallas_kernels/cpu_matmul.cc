@@ -1,0 +1,495 @@
+// x @ w on the CPU for a weight kept as group-quantized integer codes, read at its own width.
+//
+// XLA:CPU can only dequantize such a weight to a full float32 copy before its dot (5-8x the bytes
+// of the codes, written and read back on every pass); at a few rows of x a step is bound by the
+// bytes it reads, so this kernel widens the codes in registers instead and never writes a weight.
+//
+// w[k, n] = scale[g, n] * (code[k, n] - bias) + offset[g, n], g = k / group (models/quant_weights.py,
+// GroupQuantizedWeight). Per group the scale and offset are factored out of the sum over k:
+//   y[m, n] = sum_g scale[g, n] * sum_{k in g} x[m, k] code[k, n] + (offset[g, n] - bias scale[g, n]) X[m, g]
+// with X[m, g] the sum of row m's inputs in group g: two vector operations per weight, accumulated
+// in float32 (the order of the sum differs from XLA's dot, as any two matmuls' orders do).
+//
+// Two layouts of the same codes:
+//   columns  codes [K, N] int8, or [K/2, N] uint8 nibbles (byte r: input 2r low, 2r + 1 high);
+//            scale and offset [K/group, N]. Vectors run along n.
+//   table    an embedding used as the output head, w = table^T: codes [N, K] or [N, K/2] (nibbles
+//            along k), scale and offset [N, K/group]. Vectors run along k.
+// Scales and offsets are float16 or float32. The work is split into chunks of output columns
+// (rows of a table) shared by the calling thread and XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kTile = 4 * kLanes;  // columns per chunk of the columns layout
+constexpr int64_t kTableChunk = 256;   // rows per chunk of a table
+
+// Sixteen float32 lanes. With AVX-512, one register and its intrinsics (GCC's generic vector
+// conversions widen bytes one lane at a time); elsewhere plain loops the compiler vectorizes.
+#if defined(__AVX512F__)
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vhalf(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vf vcodes(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// Sixteen bytes of nibble pairs: the low nibbles' values and the high nibbles'.
+inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#else
+struct vf {
+  float v[kLanes];
+};
+inline vf vzero() { return vf{}; }
+inline vf vset(float a) {
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = a;
+  return r;
+}
+inline vf vload(const float* p) {
+  vf r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, v.v, sizeof(v.v)); }
+inline vf vfma(vf a, vf b, vf c) {
+  for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline vf vmul(vf a, vf b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline vf vadd(vf a, vf b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline vf vsub(vf a, vf b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] -= b.v[i];
+  return a;
+}
+inline float vsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v.v[i];
+  return s;
+}
+inline vf vhalf(const _Float16* p) {
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
+inline vf vcodes(const int8_t* p) {
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
+inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
+  for (int i = 0; i < kLanes; ++i) {
+    lo.v[i] = static_cast<float>(p[i] & 15);
+    hi.v[i] = static_cast<float>(p[i] >> 4);
+  }
+}
+#endif
+
+struct Problem {
+  const float* x = nullptr;  // [M, K]
+  float* y = nullptr;        // [M, N]
+  const void* codes = nullptr;
+  const void* scale = nullptr;
+  const void* offset = nullptr;  // null: no offsets
+  int64_t M = 0, K = 0, N = 0, group = 0, groups = 0;
+  int bits = 8, bias = 0;
+  bool table = false, f16 = false;
+  std::vector<float> xsum;  // [M, groups]
+  // A 4-bit table's x, each 32 inputs reordered as the 16 bytes holding them unpack: even, then odd.
+  std::vector<float> xperm;  // [M, K]
+
+  float scalar(const void* base, int64_t i) const {
+    return f16 ? static_cast<float>(static_cast<const _Float16*>(base)[i]) : static_cast<const float*>(base)[i];
+  }
+  vf vector(const void* base, int64_t i) const {
+    return f16 ? vhalf(static_cast<const _Float16*>(base) + i) : vload(static_cast<const float*>(base) + i);
+  }
+  // The term beside each group's sum: offset - bias * scale.
+  float shift(int64_t i) const { return (offset ? scalar(offset, i) : 0.0f) - bias * scalar(scale, i); }
+  vf shift_vector(int64_t i) const {
+    const vf o = offset ? vector(offset, i) : vzero();
+    return vfma(vset(-static_cast<float>(bias)), vector(scale, i), o);
+  }
+  int64_t chunks() const { return table ? (N + kTableChunk - 1) / kTableChunk : (N + kTile - 1) / kTile; }
+};
+
+// Columns layout, rows m0 .. m0 + MB of x, the kTile columns from n0.
+template <int MB, int BITS>
+void columns_tile(const Problem& p, int64_t m0, int64_t n0) {
+  constexpr int T = kTile / kLanes;
+  vf y[MB][T];
+  for (int mb = 0; mb < MB; ++mb)
+    for (int t = 0; t < T; ++t) y[mb][t] = vzero();
+  const float* x = p.x + m0 * p.K;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    vf a[MB][T];
+    for (int mb = 0; mb < MB; ++mb)
+      for (int t = 0; t < T; ++t) a[mb][t] = vzero();
+    const int64_t k0 = g * p.group;
+    if constexpr (BITS == 4) {
+      const uint8_t* codes = static_cast<const uint8_t*>(p.codes) + n0;
+      for (int64_t r = k0 / 2; r < (k0 + p.group) / 2; ++r) {
+        vf lo[T], hi[T];
+        for (int t = 0; t < T; ++t) vnibbles(codes + r * p.N + t * kLanes, lo[t], hi[t]);
+        for (int mb = 0; mb < MB; ++mb) {
+          const vf xl = vset(x[mb * p.K + 2 * r]), xh = vset(x[mb * p.K + 2 * r + 1]);
+          for (int t = 0; t < T; ++t) a[mb][t] = vfma(xh, hi[t], vfma(xl, lo[t], a[mb][t]));
+        }
+      }
+    } else {
+      const int8_t* codes = static_cast<const int8_t*>(p.codes) + n0;
+      for (int64_t k = k0; k < k0 + p.group; ++k) {
+        vf c[T];
+        for (int t = 0; t < T; ++t) c[t] = vcodes(codes + k * p.N + t * kLanes);
+        for (int mb = 0; mb < MB; ++mb) {
+          const vf xk = vset(x[mb * p.K + k]);
+          for (int t = 0; t < T; ++t) a[mb][t] = vfma(xk, c[t], a[mb][t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t i = g * p.N + n0 + t * kLanes;
+      const vf s = p.vector(p.scale, i), o = p.shift_vector(i);
+      for (int mb = 0; mb < MB; ++mb)
+        y[mb][t] = vfma(o, vset(p.xsum[(m0 + mb) * p.groups + g]), vfma(s, a[mb][t], y[mb][t]));
+    }
+  }
+  for (int mb = 0; mb < MB; ++mb)
+    for (int t = 0; t < T; ++t) vstore(p.y + (m0 + mb) * p.N + n0 + t * kLanes, y[mb][t]);
+}
+
+// Columns layout, one output y[m, n] (the columns past the last whole tile).
+void columns_one(const Problem& p, int64_t m, int64_t n) {
+  const float* x = p.x + m * p.K;
+  float y = 0.0f;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    float a = 0.0f;
+    for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) {
+      float c;
+      if (p.bits == 4) {
+        const uint8_t b = static_cast<const uint8_t*>(p.codes)[(k / 2) * p.N + n];
+        c = static_cast<float>(k % 2 ? b >> 4 : b & 15);
+      } else {
+        c = static_cast<float>(static_cast<const int8_t*>(p.codes)[k * p.N + n]);
+      }
+      a += x[k] * c;
+    }
+    y += p.scalar(p.scale, g * p.N + n) * a + p.shift(g * p.N + n) * p.xsum[m * p.groups + g];
+  }
+  p.y[m * p.N + n] = y;
+}
+
+// Table layout, rows m0 .. m0 + MB of x, outputs n (rows of the table) from n_begin to n_end.
+template <int MB, int BITS>
+void table_rows(const Problem& p, int64_t m0, int64_t n_begin, int64_t n_end) {
+  constexpr int kChains = 4;  // accumulators per row, so successive groups do not wait on each other
+  const int64_t row_bytes = BITS == 4 ? p.K / 2 : p.K;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    vf acc[MB][kChains];
+    float off[MB] = {};
+    for (int mb = 0; mb < MB; ++mb)
+      for (int c = 0; c < kChains; ++c) acc[mb][c] = vzero();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      vf a[MB];
+      for (int mb = 0; mb < MB; ++mb) a[mb] = vzero();
+      if constexpr (BITS == 4) {
+        const uint8_t* codes = static_cast<const uint8_t*>(p.codes) + n * row_bytes + g * p.group / 2;
+        for (int64_t j = 0; j < p.group / 2; j += kLanes) {
+          vf lo, hi;
+          vnibbles(codes + j, lo, hi);
+          for (int mb = 0; mb < MB; ++mb) {
+            const float* xs = p.xperm.data() + (m0 + mb) * p.K + g * p.group + 2 * j;
+            a[mb] = vfma(hi, vload(xs + kLanes), vfma(lo, vload(xs), a[mb]));
+          }
+        }
+      } else {
+        const int8_t* codes = static_cast<const int8_t*>(p.codes) + n * row_bytes + g * p.group;
+        for (int64_t j = 0; j < p.group; j += kLanes) {
+          const vf c = vcodes(codes + j);
+          for (int mb = 0; mb < MB; ++mb) a[mb] = vfma(c, vload(p.x + (m0 + mb) * p.K + g * p.group + j), a[mb]);
+        }
+      }
+      const float s = p.scalar(p.scale, n * p.groups + g), o = p.shift(n * p.groups + g);
+      for (int mb = 0; mb < MB; ++mb) {
+        acc[mb][g % kChains] = vfma(vset(s), a[mb], acc[mb][g % kChains]);
+        off[mb] += o * p.xsum[(m0 + mb) * p.groups + g];
+      }
+    }
+    for (int mb = 0; mb < MB; ++mb)
+      p.y[(m0 + mb) * p.N + n] = vsum(vadd(vadd(acc[mb][0], acc[mb][1]), vadd(acc[mb][2], acc[mb][3]))) + off[mb];
+  }
+}
+
+// From kPanelRows rows of x on, each weight is dequantized once per chunk into a buffer (XLA's
+// values: scale (code - bias) + offset, rounded as it rounds them) and every row block multiplies
+// it from there, a small matmul bound by FMAs rather than by widening codes again for each row.
+constexpr int64_t kPanelRows = 3;
+
+// Columns layout: the dequantized [K, kTile] panel of the columns from n0.
+template <int BITS>
+void decode_panel(const Problem& p, int64_t n0, float* panel) {
+  constexpr int T = kTile / kLanes;
+  const vf bias = vset(static_cast<float>(p.bias));
+  for (int64_t g = 0; g < p.groups; ++g) {
+    vf s[T], o[T];
+    for (int t = 0; t < T; ++t) {
+      s[t] = p.vector(p.scale, g * p.N + n0 + t * kLanes);
+      o[t] = p.offset ? p.vector(p.offset, g * p.N + n0 + t * kLanes) : vzero();
+    }
+    const int64_t k0 = g * p.group;
+    if constexpr (BITS == 4) {
+      const uint8_t* codes = static_cast<const uint8_t*>(p.codes) + n0;
+      for (int64_t r = k0 / 2; r < (k0 + p.group) / 2; ++r)
+        for (int t = 0; t < T; ++t) {
+          vf lo, hi;
+          vnibbles(codes + r * p.N + t * kLanes, lo, hi);
+          vstore(panel + 2 * r * kTile + t * kLanes, vadd(vmul(s[t], vsub(lo, bias)), o[t]));
+          vstore(panel + (2 * r + 1) * kTile + t * kLanes, vadd(vmul(s[t], vsub(hi, bias)), o[t]));
+        }
+    } else {
+      const int8_t* codes = static_cast<const int8_t*>(p.codes) + n0;
+      for (int64_t k = k0; k < k0 + p.group; ++k)
+        for (int t = 0; t < T; ++t)
+          vstore(panel + k * kTile + t * kLanes, vadd(vmul(s[t], vsub(vcodes(codes + k * p.N + t * kLanes), bias)), o[t]));
+    }
+  }
+}
+
+template <int MB>
+void panel_rows(const Problem& p, const float* panel, int64_t m0, int64_t n0) {
+  constexpr int T = kTile / kLanes;
+  vf acc[MB][T];
+  for (int mb = 0; mb < MB; ++mb)
+    for (int t = 0; t < T; ++t) acc[mb][t] = vzero();
+  for (int64_t k = 0; k < p.K; ++k) {
+    vf w[T];
+    for (int t = 0; t < T; ++t) w[t] = vload(panel + k * kTile + t * kLanes);
+    for (int mb = 0; mb < MB; ++mb) {
+      const vf xk = vset(p.x[(m0 + mb) * p.K + k]);
+      for (int t = 0; t < T; ++t) acc[mb][t] = vfma(xk, w[t], acc[mb][t]);
+    }
+  }
+  for (int mb = 0; mb < MB; ++mb)
+    for (int t = 0; t < T; ++t) vstore(p.y + (m0 + mb) * p.N + n0 + t * kLanes, acc[mb][t]);
+}
+
+// Table layout: rows n .. n + rows of the table dequantized into [rows, K] (a 4-bit table's in
+// xperm's order).
+template <int BITS>
+void decode_table(const Problem& p, int64_t n, int64_t rows, float* buf) {
+  const vf bias = vset(static_cast<float>(p.bias));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int64_t i = (n + r) * p.groups + g;
+      const vf s = vset(p.scalar(p.scale, i)), o = vset(p.offset ? p.scalar(p.offset, i) : 0.0f);
+      float* out = buf + r * p.K + g * p.group;
+      if constexpr (BITS == 4) {
+        const uint8_t* codes = static_cast<const uint8_t*>(p.codes) + (n + r) * (p.K / 2) + g * p.group / 2;
+        for (int64_t j = 0; j < p.group / 2; j += kLanes) {
+          vf lo, hi;
+          vnibbles(codes + j, lo, hi);
+          vstore(out + 2 * j, vadd(vmul(s, vsub(lo, bias)), o));
+          vstore(out + 2 * j + kLanes, vadd(vmul(s, vsub(hi, bias)), o));
+        }
+      } else {
+        const int8_t* codes = static_cast<const int8_t*>(p.codes) + (n + r) * p.K + g * p.group;
+        for (int64_t j = 0; j < p.group; j += kLanes) vstore(out + j, vadd(vmul(s, vsub(vcodes(codes + j), bias)), o));
+      }
+    }
+}
+
+template <int MB, int NB>
+void table_block(const Problem& p, const float* buf, const float* xs, int64_t m0, int64_t n) {
+  vf acc[MB][NB];
+  for (int mb = 0; mb < MB; ++mb)
+    for (int nb = 0; nb < NB; ++nb) acc[mb][nb] = vzero();
+  for (int64_t k = 0; k < p.K; k += kLanes) {
+    vf w[NB];
+    for (int nb = 0; nb < NB; ++nb) w[nb] = vload(buf + nb * p.K + k);
+    for (int mb = 0; mb < MB; ++mb) {
+      const vf xv = vload(xs + (m0 + mb) * p.K + k);
+      for (int nb = 0; nb < NB; ++nb) acc[mb][nb] = vfma(xv, w[nb], acc[mb][nb]);
+    }
+  }
+  for (int mb = 0; mb < MB; ++mb)
+    for (int nb = 0; nb < NB; ++nb) p.y[(m0 + mb) * p.N + n + nb] = vsum(acc[mb][nb]);
+}
+
+template <int NB>
+void table_panel(const Problem& p, const float* buf, int64_t n) {
+  const float* xs = p.bits == 4 ? p.xperm.data() : p.x;
+  int64_t m = 0;
+  for (; m + 4 <= p.M; m += 4) table_block<4, NB>(p, buf, xs, m, n);
+  for (; m < p.M; ++m) table_block<1, NB>(p, buf, xs, m, n);
+}
+
+template <int BITS>
+void run_chunk_bits(const Problem& p, int64_t chunk) {
+  thread_local std::vector<float> buffer;
+  int64_t m = 0;
+  if (p.table) {
+    const int64_t n0 = chunk * kTableChunk, n1 = std::min(p.N, n0 + kTableChunk);
+    if (p.M >= kPanelRows) {
+      constexpr int64_t kRows = 4;
+      buffer.resize(kRows * p.K);
+      int64_t n = n0;
+      for (; n + kRows <= n1; n += kRows) {
+        decode_table<BITS>(p, n, kRows, buffer.data());
+        table_panel<kRows>(p, buffer.data(), n);
+      }
+      for (; n < n1; ++n) {
+        decode_table<BITS>(p, n, 1, buffer.data());
+        table_panel<1>(p, buffer.data(), n);
+      }
+      return;
+    }
+    for (; m + 2 <= p.M; m += 2) table_rows<2, BITS>(p, m, n0, n1);
+    for (; m < p.M; ++m) table_rows<1, BITS>(p, m, n0, n1);
+    return;
+  }
+  const int64_t n0 = chunk * kTile;
+  if (n0 + kTile > p.N) {
+    for (; m < p.M; ++m)
+      for (int64_t n = n0; n < p.N; ++n) columns_one(p, m, n);
+  } else if (p.M >= kPanelRows) {
+    buffer.resize(p.K * kTile);
+    decode_panel<BITS>(p, n0, buffer.data());
+    for (; m + 4 <= p.M; m += 4) panel_rows<4>(p, buffer.data(), m, n0);
+    for (; m < p.M; ++m) panel_rows<1>(p, buffer.data(), m, n0);
+  } else {
+    for (; m + 2 <= p.M; m += 2) columns_tile<2, BITS>(p, m, n0);
+    for (; m < p.M; ++m) columns_tile<1, BITS>(p, m, n0);
+  }
+}
+
+void run_chunk(const Problem& p, int64_t chunk) {
+  if (p.bits == 4) {
+    run_chunk_bits<4>(p, chunk);
+  } else {
+    run_chunk_bits<8>(p, chunk);
+  }
+}
+
+// Chunks are claimed from a shared counter by the calling thread and by helpers on XLA's pool. The
+// caller waits only for chunks already claimed, which are running, never for a helper still queued
+// behind other work, so two kernels waiting at once cannot deadlock; a helper that starts after
+// every chunk is claimed finds none and returns (the state it touches lives until it has).
+struct Shared {
+  Problem problem;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void work(Shared& s) {
+  const int64_t chunks = s.problem.chunks();
+  for (int64_t c = s.next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+       c = s.next.fetch_add(1, std::memory_order_relaxed)) {
+    run_chunk(s.problem, c);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error GroupMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes, ffi::AnyBuffer scale,
+                       ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t bias,
+                       int32_t table, int32_t has_offset) {
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->problem;
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("x, codes and scale must be 2-D");
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("bits must be 4 or 8");
+  const bool is_table = table != 0;
+  p.M = xd[0];
+  p.K = xd[1];
+  p.N = is_table ? cd[0] : cd[1];
+  const int64_t code_k = is_table ? cd[1] : cd[0];
+  p.groups = is_table ? sd[1] : sd[0];
+  if (code_k * (bits == 4 ? 2 : 1) != p.K || p.groups <= 0 || p.K % p.groups)
+    return ffi::Error::InvalidArgument("codes and scale do not match x's width");
+  p.group = p.K / p.groups;
+  if ((is_table ? sd[0] : sd[1]) != p.N) return ffi::Error::InvalidArgument("scale does not match the codes");
+  const bool table_ok = p.group % (bits == 4 ? 2 * kLanes : kLanes) == 0;
+  if ((is_table && !table_ok) || (bits == 4 && p.group % 2))
+    return ffi::Error::InvalidArgument("group size not supported by this layout");
+  const auto expect_codes = bits == 4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  if (codes.element_type() != expect_codes) return ffi::Error::InvalidArgument("codes: uint8 nibbles or int8");
+  if (scale.element_type() != ffi::DataType::F16 && scale.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("scale must be float16 or float32");
+  if (has_offset && (offset.element_type() != scale.element_type() || offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("offset must match scale");
+  p.x = x.typed_data();
+  p.y = y->typed_data();
+  p.codes = codes.untyped_data();
+  p.scale = scale.untyped_data();
+  p.offset = has_offset ? offset.untyped_data() : nullptr;
+  p.bits = bits;
+  p.bias = bias;
+  p.table = is_table;
+  p.f16 = scale.element_type() == ffi::DataType::F16;
+  p.xsum.assign(p.M * p.groups, 0.0f);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t k = 0; k < p.K; ++k) p.xsum[m * p.groups + k / p.group] += p.x[m * p.K + k];
+  if (is_table && bits == 4) {
+    p.xperm.resize(p.M * p.K);
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t c = 0; c < p.K; c += 2 * kLanes)
+        for (int64_t i = 0; i < kLanes; ++i) {
+          p.xperm[m * p.K + c + i] = p.x[m * p.K + c + 2 * i];
+          p.xperm[m * p.K + c + kLanes + i] = p.x[m * p.K + c + 2 * i + 1];
+        }
+  }
+  const int64_t chunks = p.chunks();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { work(*shared); });
+  work(*shared);
+  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxserveGroupMatmul, GroupMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("bias")
+                                  .Attr<int32_t>("table")
+                                  .Attr<int32_t>("has_offset"));

@@ -1,0 +1,86 @@
+"""The CPU kernel for weights kept quantized (pallas_kernels/cpu_matmul.cc) against XLA's
+dequantize-then-dot, on every layout, code width and row count it has a path for."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paxserve.kernels import cpu_matmul
+from paxserve.kernels.matmul_dispatch import MatmulKernel, cpu_matmul_kernel, kernel_serves, resolve_matmul_kernel
+from paxserve.models.quant_weights import GroupQuantizedWeight, group_matmul, table_matmul
+
+
+@pytest.fixture(scope="module")
+def kernel() -> MatmulKernel:
+    loaded = cpu_matmul_kernel()
+    assert isinstance(loaded, MatmulKernel), loaded  # g++ is on every machine of this project
+    return loaded
+
+
+def _weight(rng: np.random.Generator, k: int, n: int, bits: int, group: int, offset: bool, f16: bool,
+            bias: int = 0) -> dict:
+    dt = np.float16 if f16 else np.float32
+    codes = rng.integers(0, 256, (k // 2, n)).astype(np.uint8) if bits == 4 else \
+        rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = (rng.random((k // group, n)) * 0.05 + 0.001).astype(dt)
+    return dict(codes=codes, scale=scale, offset=(rng.standard_normal((k // group, n)) * 0.05).astype(dt)
+                if offset else None, bits=bits, bias=bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bits,group,offset,f16,bias", [(4, 32, True, True, 0), (4, 128, False, False, 8),
+                                                        (8, 32, False, True, 0), (8, 16, True, False, 0)])
+def test_columns_layout_matches_xla(kernel: MatmulKernel, rows: int, bits: int, group: int, offset: bool, f16: bool,
+                                    bias: int) -> None:
+    rng = np.random.default_rng(rows * 7 + bits)
+    k, n = 256, 64 * 3 + 24  # three whole tiles of columns and a remainder the scalar path computes
+    w = _weight(rng, k, n, bits, group, offset, f16, bias)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    arrays = {name: jnp.asarray(v) for name, v in w.items() if isinstance(v, np.ndarray)}
+    want = np.asarray(cpu_matmul.cpu_group_matmul_reference(x, **arrays, bits=bits, bias=bias))
+    got = np.asarray(jax.jit(lambda x, a: cpu_matmul.cpu_group_matmul(x, **a, bits=bits, bias=bias))(x, arrays))
+    assert got.shape == (rows, n)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_embedding_table_as_the_head_matches_xla(kernel: MatmulKernel, rows: int, bits: int) -> None:
+    """The tied head reads the table's rows where they lie: `table_matmul` on the kernel gives XLA's
+    x @ table.T (a vocabulary that is not a whole number of the kernel's chunks of rows)."""
+    rng = np.random.default_rng(rows + bits)
+    vocab, hidden = 1000, 128
+    w = _weight(rng, hidden, vocab, bits, 32, bits == 4, True)
+    table = GroupQuantizedWeight(codes=jnp.asarray(w["codes"]), scale=jnp.asarray(w["scale"]),
+                                 offset=None if w["offset"] is None else jnp.asarray(w["offset"]),
+                                 bits=bits).as_table()
+    x = jnp.asarray(rng.standard_normal((rows, hidden)), jnp.float32)
+    want = np.asarray(table_matmul(x, table))  # no kernel: XLA's
+    on_kernel = table.replace(kernel=kernel)
+    assert kernel_serves(kernel, x, on_kernel.codes, on_kernel.scale.shape[-1], bits, table=True)
+    got = np.asarray(jax.jit(table_matmul)(x, on_kernel))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_what_the_kernel_does_not_take_stays_on_xlas_path(kernel: MatmulKernel) -> None:
+    rng = np.random.default_rng(0)
+    w = _weight(rng, 64, 64, 4, 32, True, True)
+    weight = GroupQuantizedWeight(codes=jnp.asarray(w["codes"]), scale=jnp.asarray(w["scale"]),
+                                  offset=jnp.asarray(w["offset"]), bits=4, kernel=kernel)
+    x16 = jnp.asarray(rng.standard_normal((2, 64)), jnp.bfloat16)
+    assert not kernel_serves(kernel, x16, weight.codes, 2, 4)  # bfloat16 activations
+    want = jnp.dot(x16, weight.dequantize(jnp.bfloat16), preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(group_matmul(x16, weight)), np.asarray(want))
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    assert not cpu_matmul.serves(x, weight.codes, 3, 4, False)  # groups that do not divide the inputs
+
+
+def test_the_engine_chooses_the_cpu_kernel_for_float32_and_says_why_not_otherwise(caplog) -> None:
+    assert resolve_matmul_kernel("auto", "cpu", dtype=jnp.float32) == MatmulKernel(name="cpu")
+    with caplog.at_level("INFO"):
+        assert resolve_matmul_kernel("auto", "cpu", dtype=jnp.bfloat16) is None
+    assert "the CPU kernel takes float32 activations" in caplog.text
+    assert cpu_matmul.self_check_cpu_matmul(seed=3) is None
