@@ -19,104 +19,20 @@
 // (rows of a table) shared by the calling thread and XLA's intra-op thread pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
+#include "cpu_vector.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using namespace paxserve_cpu;  // NOLINT: the shared vector helpers
+
 constexpr int64_t kTile = 4 * kLanes;  // columns per chunk of the columns layout
 constexpr int64_t kTableChunk = 256;   // rows per chunk of a table
-
-// Sixteen float32 lanes. With AVX-512, one register and its intrinsics (GCC's generic vector
-// conversions widen bytes one lane at a time); elsewhere plain loops the compiler vectorizes.
-#if defined(__AVX512F__)
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset(float a) { return _mm512_set1_ps(a); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline vf vhalf(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline vf vcodes(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-// Sixteen bytes of nibble pairs: the low nibbles' values and the high nibbles'.
-inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-#else
-struct vf {
-  float v[kLanes];
-};
-inline vf vzero() { return vf{}; }
-inline vf vset(float a) {
-  vf r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = a;
-  return r;
-}
-inline vf vload(const float* p) {
-  vf r;
-  std::memcpy(r.v, p, sizeof(r.v));
-  return r;
-}
-inline void vstore(float* p, vf v) { std::memcpy(p, v.v, sizeof(v.v)); }
-inline vf vfma(vf a, vf b, vf c) {
-  for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
-  return c;
-}
-inline vf vmul(vf a, vf b) {
-  for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
-  return a;
-}
-inline vf vadd(vf a, vf b) {
-  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
-  return a;
-}
-inline vf vsub(vf a, vf b) {
-  for (int i = 0; i < kLanes; ++i) a.v[i] -= b.v[i];
-  return a;
-}
-inline float vsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v.v[i];
-  return s;
-}
-inline vf vhalf(const _Float16* p) {
-  vf r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
-  return r;
-}
-inline vf vcodes(const int8_t* p) {
-  vf r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
-  return r;
-}
-inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
-  for (int i = 0; i < kLanes; ++i) {
-    lo.v[i] = static_cast<float>(p[i] & 15);
-    hi.v[i] = static_cast<float>(p[i] >> 4);
-  }
-}
-#endif
+constexpr int64_t kRowBlock = 64;      // rows of x per chunk of the columns layout
 
 struct Problem {
   const float* x = nullptr;  // [M, K]
@@ -143,7 +59,11 @@ struct Problem {
     const vf o = offset ? vector(offset, i) : vzero();
     return vfma(vset(-static_cast<float>(bias)), vector(scale, i), o);
   }
-  int64_t chunks() const { return table ? (N + kTableChunk - 1) / kTableChunk : (N + kTile - 1) / kTile; }
+  // Many rows of x are cut into blocks too, so that narrow weights still give every thread work.
+  int64_t row_blocks() const { return table ? 1 : (M + kRowBlock - 1) / kRowBlock; }
+  int64_t chunks() const {
+    return table ? (N + kTableChunk - 1) / kTableChunk : (N + kTile - 1) / kTile * row_blocks();
+  }
 };
 
 // Columns layout, rows m0 .. m0 + MB of x, the kTile columns from n0.
@@ -217,6 +137,7 @@ template <int MB, int BITS>
 void table_rows(const Problem& p, int64_t m0, int64_t n_begin, int64_t n_end) {
   constexpr int kChains = 4;  // accumulators per row, so successive groups do not wait on each other
   const int64_t row_bytes = BITS == 4 ? p.K / 2 : p.K;
+  const bool shifted = p.offset != nullptr || p.bias != 0;  // Q8_0 tables have neither
   for (int64_t n = n_begin; n < n_end; ++n) {
     vf acc[MB][kChains];
     float off[MB] = {};
@@ -242,10 +163,11 @@ void table_rows(const Problem& p, int64_t m0, int64_t n_begin, int64_t n_end) {
           for (int mb = 0; mb < MB; ++mb) a[mb] = vfma(c, vload(p.x + (m0 + mb) * p.K + g * p.group + j), a[mb]);
         }
       }
-      const float s = p.scalar(p.scale, n * p.groups + g), o = p.shift(n * p.groups + g);
-      for (int mb = 0; mb < MB; ++mb) {
-        acc[mb][g % kChains] = vfma(vset(s), a[mb], acc[mb][g % kChains]);
-        off[mb] += o * p.xsum[(m0 + mb) * p.groups + g];
+      const vf s = vset(p.scalar(p.scale, n * p.groups + g));
+      for (int mb = 0; mb < MB; ++mb) acc[mb][g % kChains] = vfma(s, a[mb], acc[mb][g % kChains]);
+      if (shifted) {
+        const float o = p.shift(n * p.groups + g);
+        for (int mb = 0; mb < MB; ++mb) off[mb] += o * p.xsum[(m0 + mb) * p.groups + g];
       }
     }
     for (int mb = 0; mb < MB; ++mb)
@@ -256,7 +178,7 @@ void table_rows(const Problem& p, int64_t m0, int64_t n_begin, int64_t n_end) {
 // From kPanelRows rows of x on, each weight is dequantized once per chunk into a buffer (XLA's
 // values: scale (code - bias) + offset, rounded as it rounds them) and every row block multiplies
 // it from there, a small matmul bound by FMAs rather than by widening codes again for each row.
-constexpr int64_t kPanelRows = 3;
+constexpr int64_t kPanelRows = 8;  // below, widening the codes again per pair of rows is cheaper (measured)
 
 // Columns layout: the dequantized [K, kTile] panel of the columns from n0.
 template <int BITS>
@@ -288,13 +210,16 @@ void decode_panel(const Problem& p, int64_t n0, float* panel) {
   }
 }
 
+// Rows m0 .. m0 + MB of y's kTile columns from n0, plus x's inputs k0 .. k1 times the panel's rows
+// (`first`: y starts at zero). The panel is swept in slices that stay in the L1 cache while every
+// block of rows uses them, not once per block of rows from L2.
 template <int MB>
-void panel_rows(const Problem& p, const float* panel, int64_t m0, int64_t n0) {
+void panel_rows(const Problem& p, const float* panel, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool first) {
   constexpr int T = kTile / kLanes;
   vf acc[MB][T];
   for (int mb = 0; mb < MB; ++mb)
-    for (int t = 0; t < T; ++t) acc[mb][t] = vzero();
-  for (int64_t k = 0; k < p.K; ++k) {
+    for (int t = 0; t < T; ++t) acc[mb][t] = first ? vzero() : vload(p.y + (m0 + mb) * p.N + n0 + t * kLanes);
+  for (int64_t k = k0; k < k1; ++k) {
     vf w[T];
     for (int t = 0; t < T; ++t) w[t] = vload(panel + k * kTile + t * kLanes);
     for (int mb = 0; mb < MB; ++mb) {
@@ -305,6 +230,8 @@ void panel_rows(const Problem& p, const float* panel, int64_t m0, int64_t n0) {
   for (int mb = 0; mb < MB; ++mb)
     for (int t = 0; t < T; ++t) vstore(p.y + (m0 + mb) * p.N + n0 + t * kLanes, acc[mb][t]);
 }
+
+constexpr int64_t kPanelSlice = 128;  // panel rows per slice: 32 KiB of float32
 
 // Table layout: rows n .. n + rows of the table dequantized into [rows, K] (a 4-bit table's in
 // xperm's order).
@@ -376,22 +303,30 @@ void run_chunk_bits(const Problem& p, int64_t chunk) {
       }
       return;
     }
+    for (; m + 4 <= p.M; m += 4) table_rows<4, BITS>(p, m, n0, n1);
     for (; m + 2 <= p.M; m += 2) table_rows<2, BITS>(p, m, n0, n1);
     for (; m < p.M; ++m) table_rows<1, BITS>(p, m, n0, n1);
     return;
   }
-  const int64_t n0 = chunk * kTile;
+  const int64_t n0 = chunk / p.row_blocks() * kTile;
+  m = chunk % p.row_blocks() * kRowBlock;
+  const int64_t m_end = std::min(p.M, m + kRowBlock);
   if (n0 + kTile > p.N) {
-    for (; m < p.M; ++m)
+    for (; m < m_end; ++m)
       for (int64_t n = n0; n < p.N; ++n) columns_one(p, m, n);
   } else if (p.M >= kPanelRows) {
     buffer.resize(p.K * kTile);
     decode_panel<BITS>(p, n0, buffer.data());
-    for (; m + 4 <= p.M; m += 4) panel_rows<4>(p, buffer.data(), m, n0);
-    for (; m < p.M; ++m) panel_rows<1>(p, buffer.data(), m, n0);
+    for (int64_t k0 = 0; k0 < p.K; k0 += kPanelSlice) {
+      const int64_t k1 = std::min(p.K, k0 + kPanelSlice);
+      int64_t rows = m;
+      for (; rows + 4 <= m_end; rows += 4) panel_rows<4>(p, buffer.data(), rows, n0, k0, k1, k0 == 0);
+      for (; rows + 2 <= m_end; rows += 2) panel_rows<2>(p, buffer.data(), rows, n0, k0, k1, k0 == 0);
+      for (; rows < m_end; ++rows) panel_rows<1>(p, buffer.data(), rows, n0, k0, k1, k0 == 0);
+    }
   } else {
-    for (; m + 2 <= p.M; m += 2) columns_tile<2, BITS>(p, m, n0);
-    for (; m < p.M; ++m) columns_tile<1, BITS>(p, m, n0);
+    for (; m + 2 <= m_end; m += 2) columns_tile<2, BITS>(p, m, n0);
+    for (; m < m_end; ++m) columns_tile<1, BITS>(p, m, n0);
   }
 }
 
@@ -403,30 +338,10 @@ void run_chunk(const Problem& p, int64_t chunk) {
   }
 }
 
-// Chunks are claimed from a shared counter by the calling thread and by helpers on XLA's pool. The
-// caller waits only for chunks already claimed, which are running, never for a helper still queued
-// behind other work, so two kernels waiting at once cannot deadlock; a helper that starts after
-// every chunk is claimed finds none and returns (the state it touches lives until it has).
-struct Shared {
-  Problem problem;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void work(Shared& s) {
-  const int64_t chunks = s.problem.chunks();
-  for (int64_t c = s.next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-       c = s.next.fetch_add(1, std::memory_order_relaxed)) {
-    run_chunk(s.problem, c);
-    s.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error GroupMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes, ffi::AnyBuffer scale,
                        ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t bias,
                        int32_t table, int32_t has_offset) {
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->problem;
+  Problem p;
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument("x, codes and scale must be 2-D");
@@ -471,11 +386,7 @@ ffi::Error GroupMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
           p.xperm[m * p.K + c + kLanes + i] = p.x[m * p.K + c + 2 * i + 1];
         }
   }
-  const int64_t chunks = p.chunks();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { work(*shared); });
-  work(*shared);
-  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  parallel_chunks(pool, p.chunks(), p.chunks(), [&p](int64_t chunk) { run_chunk(p, chunk); });
   return ffi::Error::Success();
 }
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from paxserve.kernels import cpu_attention, cpu_library
 from paxserve.kernels.attention_args import Window
 from paxserve.kernels.metadata import AttentionMetadata
 from paxserve.kernels.mosaic_attention import (
@@ -67,6 +68,9 @@ class AttentionBackend:
     pure_decode: this program is a pure-decode step: every sequence has exactly one query token,
       token s belongs to sequence s, and tokens past the sequences are padding (the engine sets it
       on its "decode" programs only; `attention` then calls the decode-only kernel).
+    cpu_kernel: the reference on a CPU, whose steps of about one token per sequence run paxserve's
+      CPU kernel (cpu_attention.py) where it takes the model's attention; "auto" sets it on a CPU
+      once the kernel has built and passed its self-check.
     """
 
     name: str = "reference"
@@ -76,6 +80,7 @@ class AttentionBackend:
     decode_config: PagedDecodeAttentionConfig = field(default_factory=PagedDecodeAttentionConfig)
     decode_kernel: bool = True
     pure_decode: bool = False
+    cpu_kernel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", _ALIASES.get(self.name, self.name))
@@ -83,11 +88,16 @@ class AttentionBackend:
             raise ValueError(f"AttentionBackend.name must be 'mosaic', 'triton' or 'reference', got {self.name!r}")
         if self.name == "reference":
             object.__setattr__(self, "decode_kernel", False)
+        if self.cpu_kernel and self.name != "reference":
+            raise ValueError("AttentionBackend: cpu_kernel goes with the reference backend only")
         if self.pure_decode and not self.decode_kernel:
             raise ValueError(f"AttentionBackend: pure_decode needs a decode kernel, and {self.name!r} has none here")
 
     def describe(self) -> str:
         """The choice in plain words, for the start-up log."""
+        if self.name == "reference" and self.cpu_kernel:
+            return ("the XLA reference, with decode steps (about one token per sequence) of float32 models "
+                    "without windows, ALiBi or soft caps on paxserve's CPU kernel")
         if self.name == "reference":
             return "the XLA reference (jnp gathers through the block table; no Pallas kernel)"
         family = _FAMILY[self.name]
@@ -138,6 +148,9 @@ def attention(
             soft_cap=soft_cap, alibi_slopes=alibi_slopes, config=backend.config, interpret=backend.interpret,
             fp8=fp8,
         )
+    if backend.cpu_kernel and cpu_attention.serves(q, k_cache, metadata, sliding_window=sliding_window,
+                                                   soft_cap=soft_cap, alibi_slopes=alibi_slopes, fp8=fp8):
+        return cpu_attention.cpu_decode_attention(q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale)
     return ragged_paged_attention_reference(
         q, k_cache, v_cache, layer, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         alibi_slopes=alibi_slopes, fp8=fp8,
@@ -234,7 +247,7 @@ def resolve_attention_backend(
     fp8_cache = kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype)
     if option == "auto":
         if not on_gpu:
-            return REFERENCE
+            return _reference_on_cpu(platform)
         hopper = platform.lower() != "rocm" and _is_hopper_or_newer(compute_capability)
         candidates = ["triton", "mosaic"] if hopper else ["triton"]
         logger.info("attention: %s (compute capability %s): trying %s", platform, compute_capability or "unknown",
@@ -275,6 +288,20 @@ def resolve_attention_backend(
                        failure)
     logger.warning("attention: no Pallas kernel serves this model here; using the XLA reference")
     return REFERENCE
+
+
+def _reference_on_cpu(platform: str) -> AttentionBackend:
+    """The reference, with the CPU kernel for decode steps where it builds and passes its self-check."""
+    if platform.lower() != "cpu":
+        return REFERENCE
+    from paxserve.models.param_cache import cache_root
+
+    loaded = cpu_library.load_cpu_kernels(cache_root())
+    if isinstance(loaded, str):
+        logger.warning("attention: the XLA reference for every step (paxserve's CPU kernels are not available: %s)",
+                       loaded)
+        return REFERENCE
+    return AttentionBackend("reference", cpu_kernel=True)
 
 
 def _with_checked_decode_kernel(self_check: Callable[..., str | None] | None, backend: AttentionBackend,

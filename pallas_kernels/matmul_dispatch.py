@@ -11,7 +11,7 @@ activations, an fp8 x fp8 product) keeps XLA's path.
 `resolve_matmul_kernel` picks it at start-up, after the attention backend: on an NVIDIA GPU of
 compute capability 9.0 or more (wgmma and TMA), the Mosaic GPU kernel once it has passed
 `self_check_matmul` on this device; on a CPU, the CPU kernel for a float32 model once it has built
-and passed its own self-check (`load_cpu_matmul`), or the Mosaic GPU kernel in interpret mode when
+and passed its self-check (`cpu_library.load_cpu_kernels`), or the Mosaic GPU kernel in interpret mode when
 that family was asked for by name (`--attention-backend mosaic`, tests); XLA's path everywhere else.
 """
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from paxserve.kernels import cpu_matmul
+from paxserve.kernels import cpu_library, cpu_matmul
 from paxserve.kernels.mosaic_matmul import (
     mosaic_weight_only_matmul,
     supports_mosaic_matmul,
@@ -87,11 +87,11 @@ def run_kernel(kernel: MatmulKernel, x: Float[Array, "M K"], codes: Array, scale
 
 
 def cpu_matmul_kernel(cache_dir: str | os.PathLike | None = None) -> MatmulKernel | str:
-    """The CPU kernel, built, registered and self-checked in this process (`load_cpu_matmul`), or
+    """The CPU kernel, built, registered and self-checked in this process (`load_cpu_kernels`), or
     why it is not available; its library lives under paxserve's cache directory."""
     from paxserve.models.param_cache import cache_root
 
-    loaded = cpu_matmul.load_cpu_matmul(cache_root(cache_dir))
+    loaded = cpu_library.load_cpu_kernels(cache_root(cache_dir))
     return loaded if isinstance(loaded, str) else MatmulKernel(name="cpu")
 
 
@@ -157,7 +157,7 @@ def resolve_matmul_kernel(attention_option: str, platform: str, *, dtype: object
                            "is not available: %s)", kernel)
             return None
         logger.info("quantized matmuls: the CPU kernel (codes widened in registers, %s)",
-                    "AVX-512" if cpu_matmul.has_avx512() else "without AVX-512: plain loops")
+                    "AVX-512" if cpu_library.has_avx512() else "without AVX-512: plain loops")
         return kernel
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         logger.info("quantized matmuls: XLA's (the Mosaic GPU kernel takes bfloat16 / float16 activations, "

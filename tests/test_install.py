@@ -55,7 +55,7 @@ def test_the_wheel_holds_every_source_file_under_paxserve_and_imports_beside_a_u
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {"paxserve"}
     expected = {FOLDERS[name.split("/")[0]] + name[len(name.split("/")[0]):] for name in tracked
-                if name.split("/")[0] in FOLDERS and name.endswith((".py", ".cc"))}
+                if name.split("/")[0] in FOLDERS and name.endswith((".py", ".cc", ".h"))}
     assert not expected - names, f"source files missing from the wheel: {sorted(expected - names)[:10]}"
 
     site = tmp_path / "site"

@@ -26,7 +26,8 @@ LLAMA8B_SHAPES = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
 def test_resolution_by_platform_and_shapes() -> None:
     # The choice itself: the start-up self-check (tests/pallas_kernels/test_self_check.py) is skipped,
     # since the GPU kernel cannot run on this CPU machine.
-    assert resolve_attention_backend("auto", "cpu", **LLAMA8B_SHAPES) == REFERENCE
+    # On a CPU, the reference with the CPU kernel for decode steps (tests/pallas_kernels/test_cpu_attention.py).
+    assert resolve_attention_backend("auto", "cpu", **LLAMA8B_SHAPES) == AttentionBackend("reference", cpu_kernel=True)
     assert resolve_attention_backend("auto", "gpu", **LLAMA8B_SHAPES, self_check=None) == AttentionBackend("pallas")
     assert resolve_attention_backend("auto", "cuda", **LLAMA8B_SHAPES, self_check=None) == AttentionBackend("pallas")
     assert resolve_attention_backend("pallas", "gpu", **LLAMA8B_SHAPES, self_check=None) == AttentionBackend("pallas")
