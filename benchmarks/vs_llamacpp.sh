@@ -15,7 +15,7 @@
 # paxserve compiles its step programs for new shapes on first use (stored for later starts).
 # Servers: paxserve with its defaults on the bundled file; llama-server with continuous batching,
 # --parallel 32 (1024 tokens of context per slot), --threads 2 (this machine's cores).
-# Reports go to benchmarks/results/vs_llamacpp/<server>-round<r>.json; summarize with
+# Reports go to benchmarks/results/vs_llamacpp/<server>-round<r>.json.gz; summarize with
 # benchmarks/vs_llamacpp_table.py.
 set -euo pipefail
 llama_server=${1:?usage: vs_llamacpp.sh LLAMA_SERVER [ROUNDS] [SECONDS_PER_LEVEL] [STREAMS]}
@@ -72,6 +72,7 @@ for r in $(seq "$rounds"); do
     start "$server"
     load "$streams" 20 "" > "$out/$server-round$r-warmup.txt" 2>&1 || true
     load "$streams" "$seconds" "$out/$server-round$r.json"
+    gzip -f "$out/$server-round$r.json"  # the table script reads .json.gz; raw reports are ~1.4 MB each
     kill "$pid"; wait "$pid" 2>/dev/null || true
     sleep 3
   done

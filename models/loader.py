@@ -140,8 +140,7 @@ def _gguf_cache_entry(path: Path, dtype: str, cache_dir: str | os.PathLike | Non
     return cache_root(cache_dir) / "params" / (key if keep else f"{key}-dequantized")
 
 
-def gguf_keeps_quantized(path: Path, method: str | None, dtype: str = "auto",
-                         cache_dir: str | os.PathLike | None = None) -> tuple[bool, str]:
+def gguf_keeps_quantized(path: Path, method: str | None, dtype: str = "auto") -> tuple[bool, str]:
     """Whether a GGUF file's weights stay quantized on the device, and why (for the log). Always
     on an accelerator and with `--quantization gguf`. On a CPU, for a float32 model, they stay
     quantized when paxserve's CPU kernel builds and passes its self-check (it reads the codes
@@ -155,7 +154,7 @@ def gguf_keeps_quantized(path: Path, method: str | None, dtype: str = "auto",
     if jax.default_backend() != "cpu":
         return True, f"on {jax.default_backend().upper()} the weights stay as the file stores them"
     if resolve_dtype(dtype, {}, "gguf") == np.float32:
-        kernel = cpu_matmul_kernel(cache_dir)
+        kernel = cpu_matmul_kernel()
         if not isinstance(kernel, str):
             return True, "on a CPU, paxserve's CPU kernel reads them at their own width"
         why_not = f"the CPU kernel is not available ({kernel})"
@@ -411,7 +410,7 @@ def inspect_model(
     if kind == "hf":
         hf_config = _read_hf_config(path)
     else:
-        keep = gguf_keeps_quantized(path, quantization, dtype, cache_dir)[0]
+        keep = gguf_keeps_quantized(path, quantization, dtype)[0]
         cached = _gguf_cache_entry(path, dtype, cache_dir, keep) / "config.json"
         hf_config = json.loads(cached.read_text()) if cached.exists() else \
             _gguf_hf_config(GGUFCheckpoint(path), dtype, keep)
@@ -494,12 +493,12 @@ def load_model(
     logger.info("loading %s checkpoint %s", "GGUF" if kind == "gguf" else "Hugging Face", path)
     if kind == "gguf":
         resolve_quantization(quantization, kind, {}, path)  # raises for fp8/int8: a GGUF is quantized already
-        keep, why = gguf_keeps_quantized(path, quantization, dtype, cache_dir)
+        keep, why = gguf_keeps_quantized(path, quantization, dtype)
         logger.info("GGUF weights %s: %s", "kept quantized" if keep else "dequantized at load", why)
         params, hf_config, tokenizer, from_cache, tp = _load_gguf(path, dtype, cache_dir, use_param_cache,
                                                                   tensor_parallel_size, enable_expert_parallel, keep)
         if keep and jax.default_backend() == "cpu" and resolve_dtype(dtype, {}, "gguf") == np.float32:
-            kernel = cpu_matmul_kernel(cache_dir)  # built and checked above, or why not
+            kernel = cpu_matmul_kernel()  # built and checked above, or why not
             if not isinstance(kernel, str):  # kept for the kernel: handed over set to run on it
                 params = with_matmul_kernel(params, kernel)
         generation_config: dict[str, Any] = {}

@@ -4,8 +4,9 @@ The C++ sources are compiled once per machine with the system's C++ compiler (`-
 run where they are built) into one library under paxserve's cache directory, keyed by the sources,
 the compiler, the CPU's features and jaxlib's FFI headers; the library is loaded with ctypes and
 each handler registered with XLA for the CPU platform, then every kernel is checked against its XLA
-reference. Where there is no compiler, or the build or a check fails, `load_cpu_kernels` says why
-and the engine keeps XLA's paths.
+reference (once per build: a mark beside the library records that they passed). Where there is
+no compiler, or the build or a check fails, `load_cpu_kernels` says why and the engine keeps XLA's
+paths.
 """
 
 from __future__ import annotations
@@ -104,10 +105,15 @@ def _load(cache_root: Path, checks: list[Callable[[], str | None]]) -> CpuKernel
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except Exception as error:  # noqa: BLE001 - any failure means XLA's paths, said in the log
         return f"{type(error).__name__}: {error}"
-    for check in checks:
-        failure = check()
-        if failure is not None:
-            return f"a self-check failed: {failure}"
+    # Checked once per build: the same key is the same binary on the same CPU, so a later start
+    # that finds the mark (written only after every check passed) skips the ~2 s of checks.
+    passed = path.with_suffix(".checked")
+    if not passed.exists():
+        for check in checks:
+            failure = check()
+            if failure is not None:
+                return f"a self-check failed: {failure}"
+        passed.touch()
     return CpuKernels(path, built, time.perf_counter() - start)
 
 

@@ -18,7 +18,6 @@ that family was asked for by name (`--attention-backend mosaic`, tests); XLA's p
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,12 +85,14 @@ def run_kernel(kernel: MatmulKernel, x: Float[Array, "M K"], codes: Array, scale
                                      interpret=kernel.interpret)
 
 
-def cpu_matmul_kernel(cache_dir: str | os.PathLike | None = None) -> MatmulKernel | str:
+def cpu_matmul_kernel() -> MatmulKernel | str:
     """The CPU kernel, built, registered and self-checked in this process (`load_cpu_kernels`), or
-    why it is not available; its library lives under paxserve's cache directory."""
+    why it is not available. Its library lives in paxserve's default cache directory
+    ($XDG_CACHE_HOME/paxserve/kernels) whatever directory the model's params are cached in: one
+    build per machine."""
     from paxserve.models.param_cache import cache_root
 
-    loaded = cpu_library.load_cpu_kernels(cache_root(cache_dir))
+    loaded = cpu_library.load_cpu_kernels(cache_root())
     return loaded if isinstance(loaded, str) else MatmulKernel(name="cpu")
 
 

@@ -13,6 +13,7 @@ import pytest
 from paxserve.kernels import REFERENCE, AttentionBackend, attention, cpu_attention
 from paxserve.kernels.cpu_library import load_cpu_kernels
 from paxserve.models import load_model
+from paxserve.models.param_cache import cache_root
 from paxserve.worker.model_runner import ModelRunner
 from tests.paged_greedy import greedy_tokens_and_logits
 
@@ -20,8 +21,8 @@ CPU_KERNEL = AttentionBackend("reference", cpu_kernel=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> None:
-    loaded = load_cpu_kernels(tmp_path_factory.mktemp("cache"))
+def kernels() -> None:
+    loaded = load_cpu_kernels(cache_root())
     assert not isinstance(loaded, str), loaded  # g++ is on every machine of this project
 
 

@@ -117,7 +117,7 @@ def test_resolve_runs_the_check_once_only_for_the_gpu_kernel(caplog: pytest.LogC
                for r in caplog.records) == 2
     # Not for the reference, a CPU, interpret mode or shapes the kernel does not serve.
     assert resolve_attention_backend("reference", "gpu", **TINY, self_check=passing) == REFERENCE
-    assert resolve_attention_backend("auto", "cpu", **TINY, self_check=passing) == REFERENCE
+    assert resolve_attention_backend("auto", "cpu", **TINY, self_check=passing) == replace(REFERENCE, cpu_kernel=True)
     assert resolve_attention_backend("pallas", "cpu", **TINY, self_check=passing) == PALLAS_INTERPRET
     assert resolve_attention_backend("auto", "gpu", **{**TINY, "head_dim": 80}, self_check=passing) == REFERENCE
     assert len(calls) == 4
