@@ -31,7 +31,7 @@ from paxserve.models.gguf_io import GGUFCheckpoint
 from paxserve.models.gguf_weights import KEPT_TYPES, GroupFormat
 from paxserve.models.layout import KEPT_TOP, stored_formats
 from paxserve.models.param_cache import cache_key, cache_root, converting, restore_cached, save_cached
-from paxserve.kernels.matmul_dispatch import cpu_matmul_kernel
+from paxserve.kernels.matmul_dispatch import MatmulKernel, cpu_matmul_kernel
 from paxserve.models.quant_weights import QUANTIZATION_METHODS, WeightQuantization, with_matmul_kernel
 from paxserve.models.registry import Architecture, Quantization, get_architecture
 from paxserve.models.safetensors_io import SafetensorsCheckpoint
@@ -153,19 +153,24 @@ def gguf_keeps_quantized(path: Path, method: str | None, dtype: str = "auto") ->
         return True, "--quantization gguf"
     if jax.default_backend() != "cpu":
         return True, f"on {jax.default_backend().upper()} the weights stay as the file stores them"
-    if resolve_dtype(dtype, {}, "gguf") == np.float32:
-        kernel = cpu_matmul_kernel()
-        if not isinstance(kernel, str):
-            return True, "on a CPU, paxserve's CPU kernel reads them at their own width"
-        why_not = f"the CPU kernel is not available ({kernel})"
-    else:
-        why_not = "the CPU kernel takes float32 models"
+    kernel = _cpu_kernel(dtype)
+    if not isinstance(kernel, str):
+        return True, "on a CPU, paxserve's CPU kernel reads them at their own width"
+    why_not = kernel
     estimate, ram = 8 * path.stat().st_size, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if estimate > ram // 2:
         return True, (f"dequantized they could take {estimate / 2**30:.1f} GiB, over half of this host's "
                       f"{ram / 2**30:.1f} GiB ({why_not})")
     return False, (f"{why_not}; on a CPU without it, dequantized weights decode about 2x faster (XLA:CPU "
                    "materializes each dequantized weight); --quantization gguf keeps them quantized")
+
+
+def _cpu_kernel(dtype: str) -> MatmulKernel | str:
+    """The CPU matmul kernel for a GGUF model of this dtype on a CPU, or why it does not serve."""
+    if resolve_dtype(dtype, {}, "gguf") != np.float32:
+        return "the CPU kernel takes float32 models"
+    kernel = cpu_matmul_kernel()
+    return f"the CPU kernel is not available ({kernel})" if isinstance(kernel, str) else kernel
 
 
 def _convert(arch: Architecture, cfg: ModelConfig, ckpt: Any, dtype: np.dtype, desc: str,
@@ -497,10 +502,9 @@ def load_model(
         logger.info("GGUF weights %s: %s", "kept quantized" if keep else "dequantized at load", why)
         params, hf_config, tokenizer, from_cache, tp = _load_gguf(path, dtype, cache_dir, use_param_cache,
                                                                   tensor_parallel_size, enable_expert_parallel, keep)
-        if keep and jax.default_backend() == "cpu" and resolve_dtype(dtype, {}, "gguf") == np.float32:
-            kernel = cpu_matmul_kernel()  # built and checked above, or why not
-            if not isinstance(kernel, str):  # kept for the kernel: handed over set to run on it
-                params = with_matmul_kernel(params, kernel)
+        kernel = _cpu_kernel(dtype) if keep and jax.default_backend() == "cpu" else None
+        if isinstance(kernel, MatmulKernel):  # kept for the CPU kernel: handed over set to run on it
+            params = with_matmul_kernel(params, kernel)
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
         quant = _kept(gguf_quantization(hf_config))

@@ -117,15 +117,18 @@ def _load(cache_root: Path, checks: list[Callable[[], str | None]]) -> CpuKernel
     return CpuKernels(path, built, time.perf_counter() - start)
 
 
-def load_cpu_kernels(cache_root: str | os.PathLike) -> CpuKernels | str:
+def load_cpu_kernels(cache_root: str | os.PathLike | None = None) -> CpuKernels | str:
     """Build (once per machine), load and register the kernels, then check each against its XLA
-    reference. The library, or why not (never raises)."""
+    reference. The library, or why not (never raises). It lives under `cache_root`, by default
+    paxserve's cache directory ($XDG_CACHE_HOME/paxserve), whatever directory a model's params are
+    cached in: one build per machine."""
     if jax.default_backend() != "cpu":
         return f"the default backend is {jax.default_backend()}, not the CPU"
     if "kernels" not in _LOADED:
         from paxserve.kernels.cpu_attention import self_check_cpu_attention
         from paxserve.kernels.cpu_matmul import self_check_cpu_matmul
+        from paxserve.models.param_cache import cache_root as default_root
 
-        _LOADED["kernels"] = _load(Path(cache_root).expanduser().resolve(),
-                                   [self_check_cpu_matmul, self_check_cpu_attention])
+        root = default_root() if cache_root is None else Path(cache_root).expanduser().resolve()
+        _LOADED["kernels"] = _load(root, [self_check_cpu_matmul, self_check_cpu_attention])
     return _LOADED["kernels"]

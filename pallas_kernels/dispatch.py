@@ -294,9 +294,7 @@ def _reference_on_cpu(platform: str) -> AttentionBackend:
     """The reference, with the CPU kernel for decode steps where it builds and passes its self-check."""
     if platform.lower() != "cpu":
         return REFERENCE
-    from paxserve.models.param_cache import cache_root
-
-    loaded = cpu_library.load_cpu_kernels(cache_root())
+    loaded = cpu_library.load_cpu_kernels()
     if isinstance(loaded, str):
         logger.warning("attention: the XLA reference for every step (paxserve's CPU kernels are not available: %s)",
                        loaded)

@@ -87,12 +87,8 @@ def run_kernel(kernel: MatmulKernel, x: Float[Array, "M K"], codes: Array, scale
 
 def cpu_matmul_kernel() -> MatmulKernel | str:
     """The CPU kernel, built, registered and self-checked in this process (`load_cpu_kernels`), or
-    why it is not available. Its library lives in paxserve's default cache directory
-    ($XDG_CACHE_HOME/paxserve/kernels) whatever directory the model's params are cached in: one
-    build per machine."""
-    from paxserve.models.param_cache import cache_root
-
-    loaded = cpu_library.load_cpu_kernels(cache_root())
+    why it is not available."""
+    loaded = cpu_library.load_cpu_kernels()
     return loaded if isinstance(loaded, str) else MatmulKernel(name="cpu")
 
 

@@ -339,9 +339,10 @@ def _load_draft(config: EngineConfig, info: ModelInfo, plan: KVCachePlan, runner
 
 
 def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:
-    """Weights kept quantized run their matmuls on the Mosaic GPU kernel where it passes its
-    self-check (`resolve_matmul_kernel`); the choice is stored on the weights themselves. Before the
-    numerics check, so that the check measures the path that serves."""
+    """Weights kept quantized run their matmuls on a kernel where one passes its self-check (the
+    Mosaic GPU kernel on Hopper, the CPU kernel on a CPU: `resolve_matmul_kernel`); the choice is
+    stored on the weights themselves. Before the numerics check, so that the check measures the path
+    that serves."""
     is_quantized = lambda w: isinstance(w, (QuantizedWeight, GroupQuantizedWeight))  # noqa: E731
     quantized = [w for w in jax.tree.leaves(model.params, is_leaf=is_quantized) if is_quantized(w)]
     if not quantized:
@@ -351,9 +352,10 @@ def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:
                                    compute_capability=getattr(device, "compute_capability", None))
     if kernel is not None:
         model.params = with_matmul_kernel(model.params, kernel)
-        logger.info("quantized matmuls: %d quantized weight fields run on the Mosaic GPU kernel wherever their "
-                    "shapes allow (inputs a multiple of 128, outputs of 64; an fp8 x fp8 product stays XLA's)",
-                    len(quantized))
+        where = ("the CPU kernel wherever it takes them (float32 activations, int8 or 4-bit codes; fp8 stays "
+                 "XLA's)" if kernel.name == "cpu" else "the Mosaic GPU kernel wherever their shapes allow (inputs "
+                 "a multiple of 128, outputs of 64; an fp8 x fp8 product stays XLA's)")
+        logger.info("quantized matmuls: %d quantized weight fields run on %s", len(quantized), where)
 
 
 def _join_cluster(config: EngineConfig, backend_running: bool) -> Cluster | None:

@@ -13,7 +13,6 @@ import pytest
 from paxserve.kernels import REFERENCE, AttentionBackend, attention, cpu_attention
 from paxserve.kernels.cpu_library import load_cpu_kernels
 from paxserve.models import load_model
-from paxserve.models.param_cache import cache_root
 from paxserve.worker.model_runner import ModelRunner
 from tests.paged_greedy import greedy_tokens_and_logits
 
@@ -22,7 +21,7 @@ CPU_KERNEL = AttentionBackend("reference", cpu_kernel=True)
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    loaded = load_cpu_kernels(cache_root())
+    loaded = load_cpu_kernels()
     assert not isinstance(loaded, str), loaded  # g++ is on every machine of this project
 
 
