@@ -9,6 +9,7 @@ GPTQ) are read as stored (models/stored_quantization.py and the format modules).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -504,7 +505,7 @@ def load_model(
                                                                   tensor_parallel_size, enable_expert_parallel, keep)
         kernel = _cpu_kernel(dtype) if keep and jax.default_backend() == "cpu" else None
         if isinstance(kernel, MatmulKernel):  # kept for the CPU kernel: handed over set to run on it
-            params = with_matmul_kernel(params, kernel)
+            params = with_matmul_kernel(params, kernel if tp is None else dataclasses.replace(kernel, tiles=False))
         generation_config: dict[str, Any] = {}
         cfg, arch, np_dtype = _model_spec(hf_config, dtype, kind)
         quant = _kept(gguf_quantization(hf_config))

@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float
 
+from paxserve.kernels import cpu_matmul
 from paxserve.kernels.matmul_dispatch import kernel_serves, run_kernel
 
 QUANTIZATION_METHODS = ("fp8", "int8")
@@ -149,6 +150,9 @@ class GroupQuantizedWeight:
     # (compressed-tensors' q + 8), so w = scale * (nibble - bias) rounds once, as its dequantization does.
     bias: int = struct.field(pytree_node=False, default=0)
     kernel: Any = struct.field(pytree_node=False, default=None)  # as QuantizedWeight's
+    # codes, scale and offset in the CPU kernel's tile order (cpu_matmul.tile_columns; same shapes):
+    # set with the kernel by `with_matmul_kernel`, undone by `untiled` and by `dequantize`.
+    tiled: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -175,6 +179,8 @@ class GroupQuantizedWeight:
         """The weight at `dtype`, rounded once from the float32 value: what a dequantizing loader
         would have stored, bit for bit. The decoder calls it inside each product, so the full-width
         weight exists only for the layer being computed."""
+        if self.tiled:
+            return self.untiled().dequantize(dtype)
         # Groups (and nibble pairs) run along `in`: the second-to-last axis, or a table's last.
         axis = -1 if self.table else -2
         codes = self.codes
@@ -190,6 +196,28 @@ class GroupQuantizedWeight:
             w = w + jnp.expand_dims(self.offset.astype(jnp.float32), axis)
         return w.reshape(codes.shape).astype(dtype)
 
+    def can_tile(self) -> bool:
+        """Whether the CPU kernel's tile order applies: a linear weight of whole tiles of outputs."""
+        return not self.table and self.codes.shape[-1] % cpu_matmul.TILE == 0
+
+    def retiled(self, tiled: bool) -> "GroupQuantizedWeight":
+        """This weight with codes, scale and offset in the CPU kernel's tile order (`tiled`) or in the
+        plain one; ShapeDtypeStructs (abstract params) keep their shapes and change only the flag."""
+        if tiled == self.tiled:
+            return self
+        if tiled and not self.can_tile():
+            raise ValueError(f"a weight of {self.codes.shape[-1]} outputs cannot be tiled by {cpu_matmul.TILE}")
+        order = cpu_matmul.tile_columns if tiled else cpu_matmul.untile_columns
+
+        def reorder(a: Any) -> Any:
+            return a if a is None or isinstance(a, jax.ShapeDtypeStruct) else order(a)
+
+        return self.replace(codes=reorder(self.codes), scale=reorder(self.scale), offset=reorder(self.offset),
+                            tiled=tiled)
+
+    def untiled(self) -> "GroupQuantizedWeight":
+        return self.retiled(False)
+
     def as_table(self) -> "GroupQuantizedWeight":
         """An `[hidden, vocab]` weight (numpy leaves or ShapeDtypeStructs) stored as an embedding table."""
         def flip(a: Any) -> Any:
@@ -201,8 +229,9 @@ class GroupQuantizedWeight:
 def group_matmul(x: Float[Array, "T I"], w: GroupQuantizedWeight) -> Float[Array, "T O"]:
     """x @ w.dequantize(x.dtype) accumulated in float32: on the weight's kernel when it serves the
     shapes (the codes widened tile by tile in registers), else dequantized whole by XLA first."""
-    if w.kernel is not None and not w.table and kernel_serves(w.kernel, x, w.codes, w.scale.shape[-2], w.bits):
-        return run_kernel(w.kernel, x, w.codes, w.scale, w.offset, w.bits, w.bias)
+    if w.kernel is not None and not w.table and kernel_serves(w.kernel, x, w.codes, w.scale.shape[-2], w.bits,
+                                                              tiled=w.tiled):
+        return run_kernel(w.kernel, x, w.codes, w.scale, w.offset, w.bits, w.bias, tiled=w.tiled)
     return jnp.dot(x, w.dequantize(x.dtype), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
@@ -219,8 +248,17 @@ def table_matmul(x: Float[Array, "T H"], table: GroupQuantizedWeight) -> Float[A
 
 def with_matmul_kernel(params: Any, kernel: Any) -> Any:
     """`params` with every quantized linear weight set to run on `kernel` (a `MatmulKernel`, or None
-    for XLA's path); the arrays are the same ones, only the static choice changes."""
-    return jax.tree.map(lambda w: w.replace(kernel=kernel) if _is_quantized(w) else w, params, is_leaf=_is_quantized)
+    for XLA's path). The arrays are the same ones, except where the kernel reads its weights in its
+    own order (`MatmulKernel.tiles`: group-quantized weights of whole tiles are reordered, and put
+    back in the plain order for any other kernel)."""
+    tiles = kernel is not None and kernel.tiles
+
+    def set_kernel(w: Any) -> Any:
+        if isinstance(w, GroupQuantizedWeight) and not w.table:
+            w = w.retiled(tiles and w.can_tile())
+        return w.replace(kernel=kernel)
+
+    return jax.tree.map(lambda w: set_kernel(w) if _is_quantized(w) else w, params, is_leaf=_is_quantized)
 
 
 def matmul_kernel(params: Any) -> Any:

@@ -32,7 +32,7 @@ _HEADERS = ("cpu_vector.h",)
 # FFI target names, by the handler symbol each binds. A change of a kernel's operands or attributes
 # takes a new name, so that a program compiled for the old signature and stored by JAX's
 # compilation cache can never call the new handler.
-TARGETS = {"PaxserveGroupMatmul": "paxserve_group_matmul_v1", "PaxserveDecodeAttention": "paxserve_decode_attention_v1"}
+TARGETS = {"PaxserveGroupMatmul": "paxserve_group_matmul_v2", "PaxserveDecodeAttention": "paxserve_decode_attention_v1"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-march=native",
           # This machine reports AMX; GCC never emits it for plain vector code, and some VMs trap it.
           "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")

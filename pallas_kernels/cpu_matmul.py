@@ -17,36 +17,61 @@ from jaxtyping import Array, Float
 from paxserve.kernels.cpu_library import TARGETS
 from paxserve.kernels.mosaic_matmul import weight_only_matmul_reference
 
-__all__ = ["cpu_group_matmul", "cpu_group_matmul_reference", "self_check_cpu_matmul", "serves"]
+__all__ = ["TILE", "cpu_group_matmul", "cpu_group_matmul_reference", "self_check_cpu_matmul", "serves", "tile_columns",
+           "untile_columns"]
 
 TARGET = TARGETS["PaxserveGroupMatmul"]
 _TOLERANCE = 1e-4  # max|out - ref| / max|ref|: both accumulate the same weights in float32
+TILE = 64  # output columns per tile (cpu_matmul.cc's kTile)
+
+
+def tile_columns(a: Array) -> Array:
+    """`a` [..., R, N] (codes, scale or offset of the columns layout) with its bytes reordered so that
+    each tile of TILE columns lies in one piece ([N / TILE, R, TILE] in memory), still shaped
+    [..., R, N]: the order the kernel streams with `tiled` (N must be a multiple of TILE)."""
+    *lead, rows, n = a.shape
+    tiles = a.reshape(*lead, rows, n // TILE, TILE)
+    return jnp.swapaxes(tiles, -3, -2).reshape(a.shape)
+
+
+def untile_columns(a: Array) -> Array:
+    """`tile_columns`' inverse: the array in its plain [..., R, N] order."""
+    *lead, rows, n = a.shape
+    tiles = a.reshape(*lead, n // TILE, rows, TILE)
+    return jnp.swapaxes(tiles, -3, -2).reshape(a.shape)
 
 
 def cpu_group_matmul(x: Float[Array, "M K"], codes: Array, scale: Array, offset: Array | None = None, *,
-                     bits: int, bias: int = 0, table: bool = False) -> Float[Array, "M N"]:
+                     bits: int, bias: int = 0, table: bool = False, tiled: bool = False) -> Float[Array, "M N"]:
     """x @ w in float32, w held as group-quantized codes (layouts in cpu_matmul.cc): `codes` [K, N]
     int8 or [K/2, N] uint8 nibbles, `scale` and `offset` [K/group, N] float16 or float32; with
-    `table`, an embedding table used as the head, every operand transposed ([N, K], [N, K/group]).
-    x must be float32 (the CPU models' dtype). The kernel must be loaded (`load_cpu_kernels`)."""
+    `table`, an embedding table used as the head, every operand transposed ([N, K], [N, K/group]);
+    with `tiled`, codes, scale and offset as `tile_columns` reorders them. x must be float32 (the CPU
+    models' dtype). The kernel must be loaded (`load_cpu_kernels`)."""
     n = codes.shape[0] if table else codes.shape[1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, codes, scale, scale if offset is None else offset, bits=np.int32(bits), bias=np.int32(bias),
-                table=np.int32(table), has_offset=np.int32(offset is not None))
+                table=np.int32(table), has_offset=np.int32(offset is not None), tiled=np.int32(tiled))
 
 
 def cpu_group_matmul_reference(x: Float[Array, "M K"], codes: Array, scale: Array, offset: Array | None = None, *,
-                               bits: int, bias: int = 0, table: bool = False) -> Float[Array, "M N"]:
+                               bits: int, bias: int = 0, table: bool = False, tiled: bool = False
+                               ) -> Float[Array, "M N"]:
     """XLA's path for the same product: the whole weight dequantized, then one dot."""
+    if tiled:
+        codes, scale, offset = untile_columns(codes), untile_columns(scale), None if offset is None else untile_columns(
+            offset)
     if table:
         codes, scale, offset = codes.T, scale.T, None if offset is None else offset.T
     return weight_only_matmul_reference(x, codes, scale, offset, bits=bits, bias=bias)
 
 
-def serves(x: Array, codes: Array, groups: int, bits: int, table: bool) -> bool:
+def serves(x: Array, codes: Array, groups: int, bits: int, table: bool, tiled: bool = False) -> bool:
     """Whether the kernel takes this product: float32 x, 2-D codes of int8 or uint8 nibbles, and
-    groups it can step through (a table's: whole vectors of inputs)."""
+    groups it can step through (a table's: whole vectors of inputs; tiled codes: whole tiles)."""
     if x.ndim != 2 or codes.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] < 1:
+        return False
+    if tiled and (table or codes.shape[1] % TILE):
         return False
     k = x.shape[1]
     if codes.dtype != (jnp.uint8 if bits == 4 else jnp.int8) or groups <= 0 or k % groups:
@@ -70,6 +95,10 @@ def _problems(rng: np.random.Generator) -> list[tuple[str, dict]]:
                                                  offset=small((k // 32, n), np.float16), bits=4)),
         ("4-bit groups of 128, bias 8", dict(codes=u4((k // 2, n)), scale=small((k // 128, n), np.float32), bits=4,
                                              bias=8)),
+        ("tiled 4-bit groups of 32 with offsets", dict(codes=u4((k // 2, 192)), scale=small((k // 32, 192), np.float16),
+                                                       offset=small((k // 32, 192), np.float16), bits=4, tiled=True)),
+        ("tiled 8-bit groups of 32", dict(codes=i8((k, 128)), scale=small((k // 32, 128), np.float32), bits=8,
+                                          tiled=True)),
         ("8-bit table, groups of 32", dict(codes=i8((n, k)), scale=small((n, k // 32), np.float16), bits=8,
                                            table=True)),
         ("4-bit table with offsets", dict(codes=u4((n, k // 2)), scale=small((n, k // 32), np.float32),

@@ -99,6 +99,9 @@ inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
 }
 #endif
 
+// A cache line on its way in (reading; no fault on any address, so it may point past an array).
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
 // Work in chunks, claimed from a shared counter by the calling thread and by helpers on XLA's pool.
 // The caller waits only for chunks already claimed, which are running, never for a helper still
 // queued behind other work, so two kernels waiting at once cannot deadlock; a helper that starts

@@ -49,24 +49,31 @@ class MatmulKernel:
     name: str = "mosaic"
     interpret: bool = False  # Mosaic GPU's interpret mode on a CPU (tests; slow)
     num_splits: int | None = None  # split-K pieces; None: from the grid (see mosaic_weight_only_matmul)
+    # The CPU kernel's weights reordered tile by tile when they are set to run on it
+    # (`with_matmul_kernel`, cpu_matmul.tile_columns): not for weights split over devices, whose
+    # shards are cut from the plain order.
+    tiles: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in ("mosaic", "cpu"):
             raise ValueError(f"MatmulKernel.name must be 'mosaic' or 'cpu', got {self.name!r}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MatmulKernel.num_splits must be >= 1, got {self.num_splits}")
+        if self.tiles and self.name != "cpu":
+            raise ValueError("MatmulKernel.tiles is the CPU kernel's layout")
 
 
 def kernel_serves(kernel: MatmulKernel, x: Array, codes: Array, scale_rows: int | None, bits: int,
-                  table: bool = False) -> bool:
+                  table: bool = False, tiled: bool = False) -> bool:
     """Whether `kernel` runs `x [M, K] @ w` for these codes (2-D: one layer's, one device's
     slice); `scale_rows` is the number of group-scale rows (a table's scale columns), None for a
-    per-channel weight; `table`: an embedding table used as the head (the CPU kernel's alone)."""
+    per-channel weight; `table`: an embedding table used as the head, `tiled`: codes in the CPU
+    kernel's tile order (both the CPU kernel's alone)."""
     if x.ndim != 2 or codes.ndim != 2:
         return False
     if kernel.name == "cpu":
-        return cpu_matmul.serves(x, codes, 1 if scale_rows is None else scale_rows, bits, table)
-    if table:
+        return cpu_matmul.serves(x, codes, 1 if scale_rows is None else scale_rows, bits, table, tiled)
+    if table or tiled:
         return False
     k, n = x.shape[1], codes.shape[1]
     group = k if scale_rows is None else k // scale_rows
@@ -74,13 +81,14 @@ def kernel_serves(kernel: MatmulKernel, x: Array, codes: Array, scale_rows: int 
 
 
 def run_kernel(kernel: MatmulKernel, x: Float[Array, "M K"], codes: Array, scale: Array | None,
-               offset: Array | None, bits: int, bias: int, table: bool = False) -> Float[Array, "M N"]:
+               offset: Array | None, bits: int, bias: int, table: bool = False, tiled: bool = False
+               ) -> Float[Array, "M N"]:
     """x @ dequantize(w) in float32 on `kernel` (see `mosaic_weight_only_matmul`, `cpu_group_matmul`);
     with `scale` None, the per-channel scale is left to the caller."""
     if kernel.name == "cpu":
         if scale is None:  # a per-channel weight: one group of every input, scale 1 (the caller scales)
             scale = jnp.ones((1, codes.shape[1]), jnp.float32)
-        return cpu_matmul.cpu_group_matmul(x, codes, scale, offset, bits=bits, bias=bias, table=table)
+        return cpu_matmul.cpu_group_matmul(x, codes, scale, offset, bits=bits, bias=bias, table=table, tiled=tiled)
     return mosaic_weight_only_matmul(x, codes, scale, offset, bits=bits, bias=bias, num_splits=kernel.num_splits,
                                      interpret=kernel.interpret)
 
@@ -89,7 +97,7 @@ def cpu_matmul_kernel() -> MatmulKernel | str:
     """The CPU kernel, built, registered and self-checked in this process (`load_cpu_kernels`), or
     why it is not available."""
     loaded = cpu_library.load_cpu_kernels()
-    return loaded if isinstance(loaded, str) else MatmulKernel(name="cpu")
+    return loaded if isinstance(loaded, str) else MatmulKernel(name="cpu", tiles=True)
 
 
 def _problems(rng: np.random.Generator) -> list[tuple[str, dict]]:

@@ -351,6 +351,8 @@ def _choose_matmul_kernel(config: EngineConfig, model: Any) -> None:
     kernel = resolve_matmul_kernel(config.attention_backend, device.platform, dtype=model.dtype,
                                    compute_capability=getattr(device, "compute_capability", None))
     if kernel is not None:
+        if model.tp is not None and kernel.tiles:  # each device's shard is cut from the plain order
+            kernel = replace(kernel, tiles=False)
         model.params = with_matmul_kernel(model.params, kernel)
         where = ("the CPU kernel wherever it takes them (float32 activations, int8 or 4-bit codes; fp8 stays "
                  "XLA's)" if kernel.name == "cpu" else "the Mosaic GPU kernel wherever their shapes allow (inputs "

@@ -157,7 +157,7 @@ def _dequantized_load(path: Path, model: Any) -> Any:
 def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(mixed: Path, tmp_path: Path) -> None:
     # On a CPU the file stays quantized by default too, set to run on the CPU kernel.
     default = load_model(mixed, cache_dir=tmp_path)
-    assert default.quantization.method == "gguf" and matmul_kernel(default.params) == MatmulKernel(name="cpu")
+    assert default.quantization.method == "gguf" and matmul_kernel(default.params) == MatmulKernel(name="cpu", tiles=True)
     model = load_model(mixed, cache_dir=tmp_path, quantization="gguf")
     p = model.params
     assert isinstance(p.embed, GroupQuantizedWeight) and p.embed.table and p.embed.shape == (VOCAB, HIDDEN)
@@ -166,6 +166,7 @@ def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(m
     assert (qkv.bits, qkv.group, qkv.scale.dtype) == (8, 16, np.float32)  # Q4_K, Q5_0, Q5_1, Q6_K, Q8_0
     assert (gate_up.bits, gate_up.group, gate_up.scale.dtype) == (4, 32, np.float16)  # Q4_0 and Q4_1
     assert (o.bits, o.group, o.offset is not None) == (8, 32, True)  # Q4_K and Q5_K
+    assert qkv.tiled and gate_up.tiled and o.tiled  # in the CPU kernel's tile order (dequantized below as stored)
     assert model.quantization.method == "gguf"
     # The memory plan's figure (abstract shapes, no weights read) is what the loader placed.
     info = inspect_model(mixed, cache_dir=tmp_path, quantization="gguf")
@@ -192,6 +193,7 @@ def test_a_mixed_file_is_kept_packed_and_computes_the_dequantized_files_logits(m
     assert max(float(np.max(np.abs(x - y))) for a, b in zip(on_kernel[1], full[1]) for x, y in zip(a, b)) < 1e-4
 
     split = load_model(mixed, cache_dir=tmp_path, tensor_parallel_size=2, quantization="gguf")
+    assert not split.params.layers.o_w.tiled  # each device's shard is cut from the plain order
     codes = split.params.layers.o_w.codes  # row-parallel: values and group scales split together
     assert codes.addressable_shards[0].data.shape[-2] == HIDDEN // 2
     assert split.params.layers.o_w.scale.addressable_shards[0].data.shape[-2] == HIDDEN // 32 // 2
@@ -216,7 +218,7 @@ def test_the_bundled_file_kept_quantized_computes_the_dequantized_files_logits(r
     assert kept_bytes < 0.3 * full_bytes
     probe = make_probe(model, REFERENCE)
     prompts = [tuple(model.tokenizer.encode(text)) for text in CHECK_TEXTS]
-    assert matmul_kernel(model.params) == MatmulKernel(name="cpu")
+    assert matmul_kernel(model.params) == MatmulKernel(name="cpu", tiles=True)
     worst = 0.0
     for batch in (prompts, prompts[:1]):  # batched, and alone
         probe = dataclasses.replace(probe, prompts=tuple(batch))

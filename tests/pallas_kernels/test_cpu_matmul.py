@@ -10,7 +10,7 @@ import pytest
 
 from paxserve.kernels import cpu_matmul
 from paxserve.kernels.matmul_dispatch import MatmulKernel, cpu_matmul_kernel, kernel_serves, resolve_matmul_kernel
-from paxserve.models.quant_weights import GroupQuantizedWeight, group_matmul, table_matmul
+from paxserve.models.quant_weights import GroupQuantizedWeight, group_matmul, table_matmul, with_matmul_kernel
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,37 @@ def test_columns_layout_matches_xla(kernel: MatmulKernel, rows: int, bits: int, 
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("rows", [1, 9])  # codes widened per row; dequantized panels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weights_set_to_the_kernel_are_tiled_and_give_the_plain_weights_product(kernel: MatmulKernel, rows: int,
+                                                                                bits: int) -> None:
+    """`with_matmul_kernel` reorders a weight of whole tiles into the kernel's tile order (layers
+    stacked in front), the product on the kernel equals XLA's on the plain weight, the weight
+    dequantizes to the same values, and any other choice of kernel puts the plain order back."""
+    rng = np.random.default_rng(rows + 10 * bits)
+    k, n = 128, 3 * cpu_matmul.TILE
+    layers = [_weight(rng, k, n, bits, 32, bits == 4, True) for _ in range(2)]
+    plain = GroupQuantizedWeight(
+        codes=jnp.asarray(np.stack([w["codes"] for w in layers])), scale=jnp.asarray(np.stack([w["scale"] for w in
+                                                                                                 layers])),
+        offset=jnp.asarray(np.stack([w["offset"] for w in layers])) if bits == 4 else None, bits=bits)
+    odd = plain.replace(codes=plain.codes[..., :40], scale=plain.scale[..., :40],
+                        offset=None if plain.offset is None else plain.offset[..., :40])  # not whole tiles
+    tiled, odd_set = with_matmul_kernel((plain, odd), kernel)
+    assert tiled.tiled and not odd_set.tiled and tiled.codes.shape == plain.codes.shape
+    assert not np.array_equal(np.asarray(tiled.codes), np.asarray(plain.codes))
+    np.testing.assert_array_equal(np.asarray(tiled.dequantize()), np.asarray(plain.dequantize()))
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    one = lambda w: jax.tree.map(lambda a: a[1], w)  # noqa: E731 - the second layer, as a split model slices it
+    want = np.asarray(group_matmul(x, one(plain)))  # no kernel: XLA's
+    got = np.asarray(jax.jit(group_matmul)(x, one(tiled)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    back = with_matmul_kernel(tiled, None)
+    assert not back.tiled and np.array_equal(np.asarray(back.codes), np.asarray(plain.codes))
+    sharded = with_matmul_kernel(plain, MatmulKernel(name="cpu"))  # tensor parallel: shards cut from the plain order
+    assert not sharded.tiled and sharded.kernel == MatmulKernel(name="cpu")
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 6])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_an_embedding_table_as_the_head_matches_xla(kernel: MatmulKernel, rows: int, bits: int) -> None:
@@ -79,7 +110,7 @@ def test_what_the_kernel_does_not_take_stays_on_xlas_path(kernel: MatmulKernel) 
 
 
 def test_the_engine_chooses_the_cpu_kernel_for_float32_and_says_why_not_otherwise(caplog) -> None:
-    assert resolve_matmul_kernel("auto", "cpu", dtype=jnp.float32) == MatmulKernel(name="cpu")
+    assert resolve_matmul_kernel("auto", "cpu", dtype=jnp.float32) == MatmulKernel(name="cpu", tiles=True)
     with caplog.at_level("INFO"):
         assert resolve_matmul_kernel("auto", "cpu", dtype=jnp.bfloat16) is None
     assert "the CPU kernel takes float32 activations" in caplog.text
