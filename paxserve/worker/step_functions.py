@@ -125,13 +125,16 @@ def write_lora_slot(slots: Any, one: Any, slot: Int[Array, ""]) -> Any:
     return slots.replace_slot(slot, one)
 
 
-def attention_metadata(batch: Batch) -> AttentionMetadata:
+def attention_metadata(batch: Batch, on_host: bool = False) -> AttentionMetadata:
+    """The batch's attention arrays on the device, or (`on_host`) as numpy arrays for a compiled
+    program to copy itself."""
+    put = np.asarray if on_host else jnp.asarray
     return AttentionMetadata(
-        slot_mapping=jnp.asarray(batch.slot_mapping),
-        block_tables=jnp.asarray(batch.block_tables),
-        context_lens=jnp.asarray(batch.context_lens),
-        query_start_loc=jnp.asarray(batch.query_start_loc),
-        logits_indices=jnp.asarray(batch.logits_indices),
+        slot_mapping=put(batch.slot_mapping),
+        block_tables=put(batch.block_tables),
+        context_lens=put(batch.context_lens),
+        query_start_loc=put(batch.query_start_loc),
+        logits_indices=put(batch.logits_indices),
     )
 
 

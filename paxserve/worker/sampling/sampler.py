@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
@@ -50,10 +51,13 @@ class SamplingMetadata:
 
     @classmethod
     def from_inputs(cls, inputs: SamplingInputs, all_allowed: jax.Array | None = None,
-                    no_logprob_ids: jax.Array | None = None) -> "SamplingMetadata":
+                    no_logprob_ids: jax.Array | None = None, on_host: bool = False) -> "SamplingMetadata":
         """Copy to the device. A step without constrained rows has no bitmask: `all_allowed`, an
         all-ones [S, W] device array the caller keeps, stands in (made here when not given); one
-        without logprob_token_ids likewise takes `no_logprob_ids`, all -1 [S, MAX_LOGPROBS]."""
+        without logprob_token_ids likewise takes `no_logprob_ids`, all -1 [S, MAX_LOGPROBS].
+        `on_host`: the host's fields stay numpy arrays, for a caller that hands them straight to a
+        compiled step program, which copies them in one go (a jnp.asarray each costs ~20-30 us of
+        Python per field, ~0.5 ms of every step)."""
         values = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(cls)}
         s = inputs.temperature.shape[0]
         if values["allowed_token_bitmask"] is None:
@@ -62,6 +66,9 @@ class SamplingMetadata:
         if values["logprob_ids"] is None:
             values["logprob_ids"] = jnp.full((s, MAX_LOGPROBS), -1, jnp.int32) if no_logprob_ids is None \
                 else no_logprob_ids
+        if on_host:
+            return cls(**{name: value if isinstance(value, jax.Array) else np.asarray(value)
+                          for name, value in values.items()})
         return cls(**{name: jnp.asarray(value) for name, value in values.items()})
 
 
