@@ -20,7 +20,7 @@
 //
 // `tiled` columns: the same arrays' bytes reordered so that each tile of kTile output columns lies
 // in one piece (codes [N / kTile][K or K/2][kTile], scale and offset [N / kTile][K/group][kTile],
-// still shaped [K, N] outside; models/quant_weights.py tiles them at load). A tile then streams
+// still shaped [K, N] outside; models/quant_weights.py's with_matmul_kernel tiles them). A tile then streams
 // from memory front to back instead of as one 64-byte piece per row N bytes apart, which the
 // hardware prefetchers follow badly: 1.4-1.7x faster at one row of x once weights exceed L2.
 
@@ -79,10 +79,8 @@ struct Problem {
   // Group g's scales and offsets of the tile from n0 on their way into the cache.
   void prefetch_groups(int64_t n0, int64_t g) const {
     const int64_t size = f16 ? 2 : 4, i = (scale_at(n0) + g * stride()) * size;
-    for (int64_t b = 0; b < kTile * size; b += 64) {
-      prefetch(static_cast<const char*>(scale) + i + b);
-      if (offset) prefetch(static_cast<const char*>(offset) + i + b);
-    }
+    prefetch_range(scale, i, kTile * size);
+    prefetch_range(offset, i, kTile * size);
   }
   // Many rows of x are cut into blocks too, so that narrow weights still give every thread work.
   int64_t row_blocks() const { return table ? 1 : (M + kRowBlock - 1) / kRowBlock; }
@@ -173,13 +171,10 @@ void table_rows(const Problem& p, int64_t m0, int64_t n_begin, int64_t n_end) {
     for (int mb = 0; mb < MB; ++mb)
       for (int c = 0; c < kChains; ++c) acc[mb][c] = vzero();
     if (n + ahead_rows < n_end) {  // a later row's codes and scales on their way in
-      const char* ahead = static_cast<const char*>(p.codes) + (n + ahead_rows) * row_bytes;
-      for (int64_t b = 0; b < row_bytes; b += 64) prefetch(ahead + b);
+      prefetch_range(p.codes, (n + ahead_rows) * row_bytes, row_bytes);
       const int64_t size = p.f16 ? 2 : 4, i = (n + ahead_rows) * p.groups * size;
-      for (int64_t b = 0; b < p.groups * size; b += 64) {
-        prefetch(static_cast<const char*>(p.scale) + i + b);
-        if (p.offset) prefetch(static_cast<const char*>(p.offset) + i + b);
-      }
+      prefetch_range(p.scale, i, p.groups * size);
+      prefetch_range(p.offset, i, p.groups * size);
     }
     for (int64_t g = 0; g < p.groups; ++g) {
       vf a[MB];

@@ -101,6 +101,11 @@ inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
 
 // A cache line on its way in (reading; no fault on any address, so it may point past an array).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+// Every line of bytes [offset, offset + size) from base (none when base is null).
+inline void prefetch_range(const void* base, int64_t offset, int64_t size) {
+  if (base == nullptr) return;
+  for (int64_t b = 0; b < size; b += 64) prefetch(static_cast<const char*>(base) + offset + b);
+}
 
 // Work in chunks, claimed from a shared counter by the calling thread and by helpers on XLA's pool.
 // The caller waits only for chunks already claimed, which are running, never for a helper still
