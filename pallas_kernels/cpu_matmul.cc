@@ -36,9 +36,16 @@ namespace {
 
 using namespace paxserve_cpu;  // NOLINT: the shared vector helpers
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 constexpr int64_t kTile = 4 * kLanes;  // columns per chunk of the columns layout
 constexpr int64_t kTableChunk = 256;   // rows per chunk of a table
-constexpr int64_t kRowBlock = 64;      // rows of x per chunk of the columns layout
+// Rows of x per chunk of the columns layout: each chunk dequantizes its panel once (at >= 8 rows), so
+// blocks as tall as kRowBlock (the panel's cost ~3% of the products') unless the work would then
+// come in too few chunks to share between threads (kMinChunks), never under kMinRowBlock.
+constexpr int64_t kRowBlock = 256;
+constexpr int64_t kMinRowBlock = 64;
+constexpr int64_t kMinChunks = 16;
 // Software prefetch distances. The hardware prefetchers keep only a few lines in flight while the
 // widening and FMAs keep the core busy; asking ~1 KiB ahead lets a tile stream at the thread's
 // bandwidth once weights come from DRAM (1.7x on 30 up-projections, 33 MB, at one row of x).
@@ -83,7 +90,13 @@ struct Problem {
     prefetch_range(offset, i, kTile * size);
   }
   // Many rows of x are cut into blocks too, so that narrow weights still give every thread work.
-  int64_t row_blocks() const { return table ? 1 : (M + kRowBlock - 1) / kRowBlock; }
+  int64_t row_block = kRowBlock;
+  void plan_row_blocks() {
+    const int64_t tiles = std::max<int64_t>(1, N / kTile);
+    const int64_t blocks = std::max(ceil_div(M, kRowBlock), std::min(ceil_div(M, kMinRowBlock), ceil_div(kMinChunks, tiles)));
+    row_block = std::max<int64_t>(1, ceil_div(M, blocks));
+  }
+  int64_t row_blocks() const { return table ? 1 : ceil_div(M, row_block); }
   int64_t chunks() const {
     return table ? (N + kTableChunk - 1) / kTableChunk : (N + kTile - 1) / kTile * row_blocks();
   }
@@ -344,8 +357,8 @@ void run_chunk_bits(const Problem& p, int64_t chunk) {
     return;
   }
   const int64_t n0 = chunk / p.row_blocks() * kTile;
-  m = chunk % p.row_blocks() * kRowBlock;
-  const int64_t m_end = std::min(p.M, m + kRowBlock);
+  m = chunk % p.row_blocks() * p.row_block;
+  const int64_t m_end = std::min(p.M, m + p.row_block);
   if (n0 + kTile > p.N) {
     for (; m < m_end; ++m)
       for (int64_t n = n0; n < p.N; ++n) columns_one(p, m, n);
@@ -355,6 +368,7 @@ void run_chunk_bits(const Problem& p, int64_t chunk) {
     for (int64_t k0 = 0; k0 < p.K; k0 += kPanelSlice) {
       const int64_t k1 = std::min(p.K, k0 + kPanelSlice);
       int64_t rows = m;
+      for (; rows + 6 <= m_end; rows += 6) panel_rows<6>(p, buffer.data(), rows, n0, k0, k1, k0 == 0);
       for (; rows + 4 <= m_end; rows += 4) panel_rows<4>(p, buffer.data(), rows, n0, k0, k1, k0 == 0);
       for (; rows + 2 <= m_end; rows += 2) panel_rows<2>(p, buffer.data(), rows, n0, k0, k1, k0 == 0);
       for (; rows < m_end; ++rows) panel_rows<1>(p, buffer.data(), rows, n0, k0, k1, k0 == 0);
@@ -412,6 +426,7 @@ ffi::Error GroupMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   p.table = is_table;
   p.tiled = tiled != 0;
   p.f16 = scale.element_type() == ffi::DataType::F16;
+  p.plan_row_blocks();
   p.xsum.assign(p.M * p.groups, 0.0f);
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t k = 0; k < p.K; ++k) p.xsum[m * p.groups + k / p.group] += p.x[m * p.K + k];
