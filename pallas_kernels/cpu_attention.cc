@@ -1,14 +1,21 @@
-// Paged attention on the CPU for steps of one query token per sequence (decode steps): each token
-// reads its own sequence's keys and values through the block table, where they lie in the cache.
+// Paged attention on the CPU for a step's tokens, decode or prefill: each token reads its own
+// sequence's keys and values through the block table, where they lie in the cache (a prefill
+// chunk's own keys written there before, as the reference reads them too).
 //
 // XLA's reference (pallas_kernels/reference.py) computes the same attention for any step, as a
 // loop of gathers, scatters and small einsums: at one token it costs ~0.1 ms per layer in op
 // dispatch alone, a third of a small model's decode step. This kernel computes, per token t of
-// sequence s at position pos[t] and per KV head, the scores of its query heads against keys
-// 0 .. pos[t] (q.k, times sm_scale), their softmax (max subtracted, exponentials summed in float32)
-// and the weighted sum of the values, divided by that sum once at the end, as the reference does.
-// A token with pos < 0 is padding and gets zeros. Float32 caches only; the variants (sliding
-// windows, ALiBi, soft caps, fp8 pages) stay on the reference.
+// sequence s at position pos[t], the scores of every query head against keys 0 .. pos[t] (q.k,
+// times sm_scale), their softmax (max subtracted, exponentials summed in float32) and the weighted
+// sum of the values, divided by that sum once at the end, as the reference does. A token with
+// pos < 0 is padding and gets zeros. Float32 caches only; the variants (sliding windows, ALiBi, soft
+// caps, fp8 pages) stay on the reference.
+//
+// Where the time goes at batch 32 (SmolLM2, ~290 keys): the cache is read from memory once per
+// token, so the kernel streams each key's slot (every KV head's row, one piece) once with software
+// prefetch ahead through the block table, keeps the scores in a buffer, exponentiates them sixteen
+// at a time, and holds the output heads in registers while the value rows stream by (1.7x the
+// key-at-a-time version it replaced, one thread; benchmarks/RESULTS.md).
 //
 // q [T, H, D]; k_cache, v_cache [L, N, P, KH, D] (layer, block, slot in the block, KV head, dim);
 // layer: the cache's layer; block_tables [S, W]; seq, pos [T]. Out [T, H, D].
@@ -48,6 +55,8 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {  // y += w x
   for (; i < n; ++i) y[i] += w * x[i];
 }
 
+constexpr int64_t kAheadKeys = 8;  // keys whose rows are asked for ahead: pages lie anywhere in the cache
+
 struct Attention {
   const float *q, *k, *v;
   float* out;
@@ -55,8 +64,103 @@ struct Attention {
   int64_t T, H, D, N, P, KH, S, W, layer;
   float sm_scale;
 
-  // Token t, KV head kh: its group of query heads.
-  void run(int64_t t, int64_t kh, std::vector<float>& scores) const {
+  // Where key (or value) kp of KV head kh of sequence s's pages lies in a cache.
+  const float* row(const float* cache, const int32_t* table, int64_t kp, int64_t kh) const {
+    const int64_t block = std::clamp<int64_t>(table[kp / P], 0, N - 1);
+    return cache + (((layer * N + block) * P + kp % P) * KH + kh) * D;
+  }
+
+  // Token t, heads of DV whole vectors. Every query head's scores against every key, a key's slot
+  // (its rows of all KV heads, one piece in the cache) read once; each row of scores softmaxed in
+  // vectors; then the values, GB heads' outputs held in registers while a value row is read.
+  template <int DV>
+  void run_vectors(int64_t t, std::vector<float>& scratch) const {
+    constexpr int64_t kD = DV * kLanes;
+    constexpr int GB = std::min(8, static_cast<int>(16 / DV));  // accumulators: GB * DV vectors
+    const int64_t G = H / KH;
+    float* o = out + t * H * kD;
+    const int64_t p = pos[t], s = seq[t];
+    if (p < 0 || s < 0 || s >= S) {
+      std::fill(o, o + H * kD, 0.0f);
+      return;
+    }
+    const int64_t keys = std::min(p + 1, W * P), stride = (keys + kLanes - 1) / kLanes * kLanes;
+    scratch.resize(H * stride);
+    const float* qt = q + t * H * kD;
+    const int32_t* table = tables + s * W;
+    for (int64_t kp = 0; kp < keys; ++kp) {
+      if (kp + kAheadKeys < keys) prefetch_range(row(k, table, kp + kAheadKeys, 0), 0, KH * kD * 4);
+      for (int64_t kh = 0; kh < KH; ++kh) {
+        const float* key = row(k, table, kp, kh);
+        vf kv[DV];
+        for (int d = 0; d < DV; ++d) kv[d] = vload(key + d * kLanes);
+        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+          vf acc = vmul(vload(qt + h * kD), kv[0]);
+          for (int d = 1; d < DV; ++d) acc = vfma(vload(qt + h * kD + d * kLanes), kv[d], acc);
+          scratch[h * stride + kp] = vsum(acc) * sm_scale;
+        }
+      }
+    }
+    std::vector<float> sum(H);
+    for (int64_t h = 0; h < H; ++h) {
+      float* sc = scratch.data() + h * stride;
+      std::fill(sc + keys, sc + stride, -std::numeric_limits<float>::infinity());
+      vf m = vset(-std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < stride; i += kLanes) m = vmax(m, vload(sc + i));
+      const vf top = vset(vmaxall(m));
+      vf total = vzero();
+      for (int64_t i = 0; i < stride; i += kLanes) {
+        const vf e = vexp(vsub(vload(sc + i), top));
+        vstore(sc + i, e);
+        total = vadd(total, e);
+      }
+      sum[h] = vsum(total);
+    }
+    for (int64_t kh = 0; kh < KH; ++kh)
+      for (int64_t g0 = 0; g0 < G; g0 += GB) {
+        const bool first = kh == 0 && g0 == 0;  // the pass that brings every value slot in
+        // A last block of fewer heads repeats its last head rather than compile a kernel per count.
+        const float* w[GB];
+        for (int b = 0; b < GB; ++b) w[b] = scratch.data() + (kh * G + std::min<int64_t>(g0 + b, G - 1)) * stride;
+        vf acc[GB][DV];
+        for (int b = 0; b < GB; ++b)
+          for (int d = 0; d < DV; ++d) acc[b][d] = vzero();
+        for (int64_t kp = 0; kp < keys; ++kp) {
+          if (kp + kAheadKeys < keys) {
+            const float* ahead = row(v, table, kp + kAheadKeys, first ? 0 : kh);
+            prefetch_range(ahead, 0, (first ? KH : 1) * kD * 4);
+          }
+          const float* value = row(v, table, kp, kh);
+          vf e[GB];
+          for (int b = 0; b < GB; ++b) e[b] = vset(w[b][kp]);
+          for (int d = 0; d < DV; ++d) {
+            const vf x = vload(value + d * kLanes);
+            for (int b = 0; b < GB; ++b) acc[b][d] = vfma(e[b], x, acc[b][d]);
+          }
+        }
+        for (int b = 0; b < GB && g0 + b < G; ++b) {
+          const int64_t h = kh * G + g0 + b;
+          const vf total = vset(sum[h] > 0.0f ? sum[h] : 1.0f);
+          for (int d = 0; d < DV; ++d) vstore(o + h * kD + d * kLanes, vdiv(acc[b][d], total));
+        }
+      }
+  }
+
+  // Token t: every head (a task).
+  void run(int64_t t, std::vector<float>& scratch) const {
+    switch (D) {
+      case 16: return run_vectors<1>(t, scratch);
+      case 32: return run_vectors<2>(t, scratch);
+      case 64: return run_vectors<4>(t, scratch);
+      case 128: return run_vectors<8>(t, scratch);
+      case 256: return run_vectors<16>(t, scratch);
+      default:
+        for (int64_t kh = 0; kh < KH; ++kh) run_any(t, kh, scratch);
+    }
+  }
+
+  // Token t, KV head kh, any head size: its group of query heads, a key at a time.
+  void run_any(int64_t t, int64_t kh, std::vector<float>& scores) const {
     const int64_t G = H / KH;
     float* o = out + (t * H + kh * G) * D;
     std::fill(o, o + G * D, 0.0f);
@@ -111,14 +215,14 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (seq.element_count() != a.T || pos.element_count() != a.T || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("seq and pos need one entry per token, layer one");
   a.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, kd[0] - 1);
-  const int64_t tasks = a.T * a.KH;
+  const int64_t tasks = a.T;
   // Work worth a second thread: a few thousand keys in all (one token's whole context is not).
   int64_t keys = 0;
   for (int64_t t = 0; t < a.T; ++t) keys += std::max<int32_t>(a.pos[t] + 1, 0);
   const int64_t threads = keys * a.KH >= 8192 ? tasks : 1;
   parallel_chunks(pool, tasks, threads, [&a](int64_t task) {
     thread_local std::vector<float> scores;
-    a.run(task / a.KH, task % a.KH, scores);
+    a.run(task, scores);
   });
   return ffi::Error::Success();
 }

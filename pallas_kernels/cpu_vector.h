@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -33,7 +34,25 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a b + 
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float vmaxall(vf v) { return _mm512_reduce_max_ps(v); }
+// e^x for x <= 0 (a softmax's shifted scores), within 2 ulp of expf: x = n ln2 + r with |r| <= ln2/2,
+// e^r by Cephes' degree-6 polynomial, times 2^n. Below -87.3 (e^x under float32's normal range) it
+// gives 0, where expf gives a subnormal: nothing a sum of terms >= 1 can tell apart.
+inline vf vexp(vf x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, vset(-87.3f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, vset(-87.3f));
+  const vf n = _mm512_roundscale_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  vf poly = vset(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    poly = vfma(poly, r, vset(c));
+  poly = vfma(poly, vmul(r, r), vadd(r, vset(1.0f)));
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), poly, n);
+}
 inline vf vhalf(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vf vcodes(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -76,10 +95,27 @@ inline vf vsub(vf a, vf b) {
   for (int i = 0; i < kLanes; ++i) a.v[i] -= b.v[i];
   return a;
 }
+inline vf vdiv(vf a, vf b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] /= b.v[i];
+  return a;
+}
 inline float vsum(vf v) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += v.v[i];
   return s;
+}
+inline vf vmax(vf a, vf b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
+  return a;
+}
+inline float vmaxall(vf v) {
+  float m = v.v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v.v[i]);
+  return m;
+}
+inline vf vexp(vf x) {
+  for (int i = 0; i < kLanes; ++i) x.v[i] = std::exp(x.v[i]);
+  return x;
 }
 inline vf vhalf(const _Float16* p) {
   vf r;

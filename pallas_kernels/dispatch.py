@@ -68,9 +68,9 @@ class AttentionBackend:
     pure_decode: this program is a pure-decode step: every sequence has exactly one query token,
       token s belongs to sequence s, and tokens past the sequences are padding (the engine sets it
       on its "decode" programs only; `attention` then calls the decode-only kernel).
-    cpu_kernel: the reference on a CPU, whose steps of about one token per sequence run paxserve's
-      CPU kernel (cpu_attention.py) where it takes the model's attention; "auto" sets it on a CPU
-      once the kernel has built and passed its self-check.
+    cpu_kernel: the reference on a CPU, whose steps run paxserve's CPU kernel (cpu_attention.py)
+      where it takes the model's attention; "auto" sets it on a CPU once the kernel has built and
+      passed its self-check.
     """
 
     name: str = "reference"
@@ -96,8 +96,8 @@ class AttentionBackend:
     def describe(self) -> str:
         """The choice in plain words, for the start-up log."""
         if self.name == "reference" and self.cpu_kernel:
-            return ("the XLA reference, with decode steps (about one token per sequence) of float32 models "
-                    "without windows, ALiBi or soft caps on paxserve's CPU kernel")
+            return ("paxserve's CPU kernel for float32 models without windows, ALiBi or soft caps; the XLA "
+                    "reference for the rest")
         if self.name == "reference":
             return "the XLA reference (jnp gathers through the block table; no Pallas kernel)"
         family = _FAMILY[self.name]
