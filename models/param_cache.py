@@ -121,29 +121,36 @@ def save_cached(entry: Path, params: Any, hf_config: dict[str, Any], tokenizer: 
 
 
 @contextlib.contextmanager
-def converting(entry: Path, path: Path) -> Iterator[None]:
-    """Hold the conversion lock of a cache entry (an advisory file lock beside the entries; none
-    where the platform has no `fcntl`)."""
+def file_lock(lock_path: Path, waiting: str) -> Iterator[None]:
+    """Hold an advisory lock on `lock_path` (made if missing), logging `waiting` when another process
+    holds it first; none where the platform has no `fcntl` or the folder cannot be written."""
     try:
         import fcntl
     except ImportError:
         yield
         return
-    lock_path = entry.parent.with_name("params.locks") / entry.name
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(lock_path, "a")  # noqa: SIM115 - held across the yield
-    except OSError as e:  # a read-only cache: convert unlocked (and the entry's write warns)
-        logger.debug("no conversion lock at %s: %s", lock_path, e)
+    except OSError as e:  # a read-only cache: go on unlocked
+        logger.debug("no lock at %s: %s", lock_path, e)
         yield
         return
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("another process is converting %s: waiting for its param cache entry", path.name)
+            logger.info("%s", waiting)
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def converting(entry: Path, path: Path) -> Iterator[None]:
+    """Hold the conversion lock of a cache entry (a file lock beside the entries)."""
+    with file_lock(entry.parent.with_name("params.locks") / entry.name,
+                   f"another process is converting {path.name}: waiting for its param cache entry"):
+        yield

@@ -97,6 +97,17 @@ _LOADED: dict[str, CpuKernels | str] = {}
 
 
 def _load(cache_root: Path, checks: list[Callable[[], str | None]]) -> CpuKernels | str:
+    from paxserve.models.param_cache import file_lock
+
+    # One process builds and checks at a time: the others, started beside it (a test run's workers
+    # and servers, a host's engine ranks), wait and then find the library and its mark instead of
+    # compiling and checking it again each (8 s of g++ alone, more on shared cores).
+    with file_lock(cache_root / "kernels" / "build.lock",
+                   "another process is building or checking paxserve's CPU kernels: waiting for it"):
+        return _load_locked(cache_root, checks)
+
+
+def _load_locked(cache_root: Path, checks: list[Callable[[], str | None]]) -> CpuKernels | str:
     start = time.perf_counter()
     try:
         path, built = _build(cache_root)

@@ -3,6 +3,8 @@ dequantize-then-dot, on every layout, code width and row count it has a path for
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +117,32 @@ def test_the_engine_chooses_the_cpu_kernel_for_float32_and_says_why_not_otherwis
         assert resolve_matmul_kernel("auto", "cpu", dtype=jnp.bfloat16) is None
     assert "the CPU kernel takes float32 activations" in caplog.text
     assert cpu_matmul.self_check_cpu_matmul(seed=3) is None
+
+
+def test_a_start_beside_a_build_waits_for_it_instead_of_building_too(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The kernels' build lock (models/param_cache.py's file_lock, as cpu_library holds it): a second
+    holder logs that it waits and enters only once the first has left."""
+    import logging
+    import threading
+    import time
+
+    from paxserve.models.param_cache import file_lock
+
+    lock, order = tmp_path / "kernels" / "build.lock", []
+
+    def second() -> None:
+        with file_lock(lock, "another process is building: waiting for it"):
+            order.append("second")
+
+    caplog.set_level(logging.INFO)
+    with file_lock(lock, "unused"):
+        thread = threading.Thread(target=second)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while "waiting for it" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        order.append("first")
+    thread.join(30)
+    assert "another process is building: waiting for it" in caplog.text
+    assert order == ["first", "second"]
