@@ -85,7 +85,8 @@ struct Attention {
       return;
     }
     const int64_t keys = std::min(p + 1, W * P), stride = (keys + kLanes - 1) / kLanes * kLanes;
-    scratch.resize(H * stride);
+    scratch.resize(H * stride + H);  // each head's row of scores, then each head's sum
+    float* sum = scratch.data() + H * stride;
     const float* qt = q + t * H * kD;
     const int32_t* table = tables + s * W;
     for (int64_t kp = 0; kp < keys; ++kp) {
@@ -101,7 +102,6 @@ struct Attention {
         }
       }
     }
-    std::vector<float> sum(H);
     for (int64_t h = 0; h < H; ++h) {
       float* sc = scratch.data() + h * stride;
       std::fill(sc + keys, sc + stride, -std::numeric_limits<float>::infinity());
