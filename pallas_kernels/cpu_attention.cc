@@ -84,7 +84,7 @@ struct Attention {
       std::fill(o, o + H * kD, 0.0f);
       return;
     }
-    const int64_t keys = std::min(p + 1, W * P), stride = (keys + kLanes - 1) / kLanes * kLanes;
+    const int64_t keys = std::min(p + 1, W * P), stride = ceil_div(keys, kLanes) * kLanes;
     scratch.resize(H * stride + H);  // each head's row of scores, then each head's sum
     float* sum = scratch.data() + H * stride;
     const float* qt = q + t * H * kD;
@@ -172,8 +172,7 @@ struct Attention {
     const float* qh = q + (t * H + kh * G) * D;
     const int32_t* table = tables + s * W;
     for (int64_t kp = 0; kp < keys; ++kp) {
-      const int64_t block = std::clamp<int64_t>(table[kp / P], 0, N - 1);
-      const float* key = k + (((layer * N + block) * P + kp % P) * KH + kh) * D;
+      const float* key = row(k, table, kp, kh);
       for (int64_t g = 0; g < G; ++g) scores[kp * G + g] = dot(qh + g * D, key, D) * sm_scale;
     }
     float m[kMaxGroup], sum[kMaxGroup];
@@ -184,8 +183,7 @@ struct Attention {
     for (int64_t kp = 0; kp < keys; ++kp)
       for (int64_t g = 0; g < G; ++g) m[g] = std::max(m[g], scores[kp * G + g]);
     for (int64_t kp = 0; kp < keys; ++kp) {
-      const int64_t block = std::clamp<int64_t>(table[kp / P], 0, N - 1);
-      const float* value = v + (((layer * N + block) * P + kp % P) * KH + kh) * D;
+      const float* value = row(v, table, kp, kh);
       for (int64_t g = 0; g < G; ++g) {
         const float e = std::exp(scores[kp * G + g] - m[g]);
         sum[g] += e;

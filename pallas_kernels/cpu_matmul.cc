@@ -36,8 +36,6 @@ namespace {
 
 using namespace paxserve_cpu;  // NOLINT: the shared vector helpers
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 constexpr int64_t kTile = 4 * kLanes;  // columns per chunk of the columns layout
 constexpr int64_t kTableChunk = 256;   // rows per chunk of a table
 // Rows of x per chunk of the columns layout: each chunk dequantizes its panel once (at >= 8 rows), so

@@ -22,6 +22,8 @@ namespace paxserve_cpu {
 
 constexpr int64_t kLanes = 16;
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // Sixteen float32 lanes. With AVX-512, one register and its intrinsics (GCC's generic vector
 // conversions widen bytes one lane at a time); elsewhere plain loops the compiler vectorizes.
 #if defined(__AVX512F__)
